@@ -1,0 +1,17 @@
+"""Gradient exchange strategies: every cross-rank gradient exchange of the toolkit goes through here.
+
+`compression` never imports `nmt`; it sees only flat fp32 buffers, a parameter layout and a process group.
+"""
+
+from compression.protocol import ExchangeStats, GradientExchange, ParamSpan, StepContext
+from compression.registry import available_methods, build_exchange, register
+
+__all__ = [
+    "ExchangeStats",
+    "GradientExchange",
+    "ParamSpan",
+    "StepContext",
+    "available_methods",
+    "build_exchange",
+    "register",
+]

@@ -1,0 +1,53 @@
+"""Exchange methods by name, so the config's `exchange.method` picks one without the trainer knowing them."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from compression.config import ExchangeConfig
+from compression.protocol import GradientExchange
+
+_FACTORIES: dict[str, Callable[[ExchangeConfig], GradientExchange]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[ExchangeConfig], Any]], Callable[[ExchangeConfig], Any]]:
+    """Class decorator: `@register("dense")` makes `exchange.method: dense` build this class."""
+
+    def wrap(factory: Callable[[ExchangeConfig], Any]) -> Callable[[ExchangeConfig], Any]:
+        if name in _FACTORIES:
+            raise ValueError(f"exchange method {name!r} registered twice")
+        _FACTORIES[name] = factory
+        return factory
+
+    return wrap
+
+
+def _load_builtin_methods() -> None:
+    # Imported for their @register side effect; kept here so `compression` imports stay cheap and acyclic.
+    import importlib
+
+    for module in ("dense", "dropping", "local_mix", "dgc", "sbc"):
+        try:
+            importlib.import_module(f"compression.{module}")
+        except ModuleNotFoundError as err:
+            if err.name != f"compression.{module}":
+                raise
+
+
+def available_methods() -> list[str]:
+    _load_builtin_methods()
+    return sorted(_FACTORIES)
+
+
+def build_exchange(config: ExchangeConfig) -> GradientExchange:
+    """Build the exchange named by `config.method`; unknown names get the nearest valid one suggested."""
+    _load_builtin_methods()
+    if config.method not in _FACTORIES:
+        near = difflib.get_close_matches(config.method, list(_FACTORIES), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(
+            f"exchange.method: unknown method {config.method!r}{hint} (available: {', '.join(sorted(_FACTORIES))})"
+        )
+    return _FACTORIES[config.method](config)

@@ -1,0 +1,189 @@
+"""Fixed-capacity message exchange: every rank's sparse message (or embedding rows) in ONE all-gather.
+
+Why fixed capacity: `all_gather_into_tensor` needs equal sizes on every rank (gloo refuses unequal ones), and
+one equal-size collective is also the fast path on NCCL. Each rank packs its message (header, indices,
+values or packed codes) into one int32 tensor padded to the capacity; receivers read the header and ignore
+the padding. Bytes are counted from the payload (what a variable-size protocol would send), not the padding.
+
+Wire formats (int32 words; fp32 values and packed code bytes are bit-cast, never converted):
+    sparse, plain      [count | index * capacity | value * capacity]
+    sparse, quantized  [count | scale * (groups * levels) | index * capacity | code bytes, padded to words]
+    rows (two phases)  counts [S] (one all-gather of row counts per embedding span), then per span s:
+                       [row id * max_count_s | row values * (max_count_s * D_s)]
+Indices in sparse messages are flat-buffer indices (all ranks share the parameter layout).
+The one-word count header is not counted in bytes_sent (it is not payload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from compression.quantize import QuantizedValues, dequantize, levels
+from kernels import pack_bits, unpack_bits
+
+INDEX_BYTES = 4
+VALUE_BYTES = 4
+ROW_ID_BYTES = 4
+
+
+def all_gather_words(message: Tensor, world_size: int, group: dist.ProcessGroup | None) -> Tensor:
+    """Gather one equal-size 1-D tensor from every rank: returns [world_size, numel] (rank order)."""
+    if world_size == 1:
+        return message.unsqueeze(0)
+    out = message.new_empty(world_size * message.numel())
+    dist.all_gather_into_tensor(out, message.contiguous(), group=group)
+    return out.view(world_size, message.numel())
+
+
+def _words(n_bytes: int) -> int:
+    return (n_bytes + 3) // 4
+
+
+@dataclass
+class GatheredMessages:
+    """The valid entries of all ranks' messages, concatenated in rank order."""
+
+    indices: Tensor  # int64 flat indices
+    values: Tensor  # float32 (dequantized for quantized messages)
+    counts: list[int]
+
+    def without_rank(self, rank: int) -> tuple[Tensor, Tensor]:
+        """Indices and values of every rank except `rank`."""
+        start = sum(self.counts[:rank])
+        end = start + self.counts[rank]
+        return (
+            torch.cat([self.indices[:start], self.indices[end:]]),
+            torch.cat([self.values[:start], self.values[end:]]),
+        )
+
+
+class SparseAllGather:
+    """Pack, exchange and unpack fixed-capacity (index, value) messages.
+
+    Args:
+        bits: 0 for fp32 values, 1 or 2 for quantized codes (see compression.quantize).
+        num_groups: number of quantizer scale groups per message (ignored when bits == 0).
+    """
+
+    def __init__(self, bits: int = 0, num_groups: int = 1) -> None:
+        self.bits = bits
+        self.num_scales = num_groups * levels(bits) if bits else 0
+
+    def value_words(self, capacity: int) -> int:
+        return capacity if not self.bits else _words((capacity * self.bits + 7) // 8)
+
+    def message_words(self, capacity: int) -> int:
+        return 1 + self.num_scales + capacity + self.value_words(capacity)
+
+    def payload_bytes(self, count: int) -> int:
+        """Bytes a message with `count` entries carries (indices + values or codes + scales; no padding)."""
+        if count == 0:
+            return 0
+        if not self.bits:
+            return count * (INDEX_BYTES + VALUE_BYTES)
+        return count * INDEX_BYTES + (count * self.bits + 7) // 8 + self.num_scales * 4
+
+    def pack(self, indices: Tensor, values: Tensor | QuantizedValues, capacity: int) -> Tensor:
+        """One int32 message: `indices` (flat, [count]) and fp32 `values` [count] or their quantized codes."""
+        count = indices.numel()
+        if count > capacity:
+            raise ValueError(f"message has {count} entries but capacity {capacity}")
+        device = indices.device
+        msg = torch.zeros(self.message_words(capacity), dtype=torch.int32, device=device)
+        msg[0] = count
+        at = 1
+        if self.bits:
+            assert isinstance(values, QuantizedValues)
+            msg[at : at + self.num_scales] = values.scales.to(torch.float32).view(torch.int32)
+            at += self.num_scales
+        msg[at : at + count] = indices.to(torch.int32)
+        at += capacity
+        if self.bits:
+            assert isinstance(values, QuantizedValues)
+            packed = pack_bits(values.codes, self.bits)
+            room = torch.zeros(self.value_words(capacity) * 4, dtype=torch.uint8, device=device)
+            room[: packed.numel()] = packed
+            msg[at:] = room.view(torch.int32)
+        else:
+            assert isinstance(values, Tensor)
+            msg[at : at + count] = values.to(torch.float32).view(torch.int32)
+        return msg
+
+    def unpack(self, gathered: Tensor, capacity: int, group_of: Callable[[Tensor], Tensor]) -> GatheredMessages:
+        """Valid entries of a [P, words] gathered tensor. `group_of(flat_indices)` gives quantizer groups."""
+        counts = gathered[:, 0].tolist()
+        at = 1
+        scales = None
+        if self.bits:
+            scales = gathered[:, at : at + self.num_scales].contiguous().view(torch.float32)
+            at += self.num_scales
+        index_block = gathered[:, at : at + capacity]
+        value_block = gathered[:, at + capacity :]
+        indices, values = [], []
+        for rank, count in enumerate(counts):
+            idx = index_block[rank, :count].long()
+            if self.bits:
+                assert scales is not None
+                codes = unpack_bits(value_block[rank].contiguous().view(torch.uint8), self.bits, count)
+                val = dequantize(codes, group_of(idx), scales[rank], self.bits)
+            else:
+                val = value_block[rank, :count].contiguous().view(torch.float32)
+            indices.append(idx)
+            values.append(val)
+        return GatheredMessages(indices=torch.cat(indices), values=torch.cat(values), counts=counts)
+
+
+@dataclass
+class GatheredRows:
+    """For one embedding span: every rank's row ids and rows, concatenated in rank order."""
+
+    rows: Tensor  # int64 [R_total]
+    values: Tensor  # float32 [R_total, D]
+    counts: list[int]
+
+
+def exchange_rows(
+    rows: list[Tensor], packed: list[Tensor], world_size: int, group: dist.ProcessGroup | None
+) -> list[GatheredRows]:
+    """Exchange, for each embedding span s, this rank's row ids `rows[s]` and rows `packed[s]` ([R_s, D_s]).
+
+    Two collectives for all spans together: an all-gather of the row counts, then one all-gather of the
+    payload padded to the largest count per span.
+    """
+    if not rows:
+        return []
+    device = packed[0].device
+    dims = [p.shape[1] for p in packed]
+    counts_local = torch.tensor([r.numel() for r in rows], dtype=torch.int32, device=device)
+    counts = all_gather_words(counts_local, world_size, group).tolist()  # [P][S]
+    max_counts = [max(c[s] for c in counts) for s in range(len(rows))]
+    pieces = []
+    for s, (r, p) in enumerate(zip(rows, packed)):
+        ids = torch.zeros(max_counts[s], dtype=torch.int32, device=device)
+        ids[: r.numel()] = r.to(torch.int32)
+        vals = torch.zeros(max_counts[s] * dims[s], dtype=torch.float32, device=device)
+        vals[: p.numel()] = p.reshape(-1).to(torch.float32)
+        pieces += [ids, vals.view(torch.int32)]
+    gathered = all_gather_words(torch.cat(pieces), world_size, group)
+    out: list[GatheredRows] = []
+    at = 0
+    for s in range(len(rows)):
+        m, d = max_counts[s], dims[s]
+        ids_all, vals_all = [], []
+        span_counts = [c[s] for c in counts]
+        for rank, c in enumerate(span_counts):
+            ids_all.append(gathered[rank, at : at + c].long())
+            vals_all.append(gathered[rank, at + m : at + m + c * d].contiguous().view(torch.float32).view(c, d))
+        at += m + m * d
+        out.append(GatheredRows(rows=torch.cat(ids_all), values=torch.cat(vals_all), counts=span_counts))
+    return out
+
+
+def row_payload_bytes(count: int, dim: int) -> int:
+    """Bytes of `count` rows of width `dim` sent as (row id, fp32 row)."""
+    return count * (ROW_ID_BYTES + dim * VALUE_BYTES)

@@ -1,0 +1,186 @@
+"""One sparse round shared by dropping, local_mix and DGC: threshold, compact, (quantize), all-gather, decode.
+
+Why shared: the three methods differ in what they sparsify (gradient + residual, or DGC's velocity) and in
+how they combine the decoded messages with the local gradient; the sparse round in between is the same.
+
+A round takes the accumulator `acc` (sparse space, fp32) and a target density d:
+    tau   = threshold(|acc|, d)             sampled (default) or exact; global, or one tau per span (layer)
+    cap   = min(n, ceil(capacity_factor * d * n))
+    S_i   = acc[|acc| >= tau], at most cap entries (the cap largest); acc <- acc - S_i (acc is the residual)
+    if quantized: S_i <- Q(S_i); acc[sent] <- S_i - Q(S_i)   (the quantization error stays in the residual)
+    all-gather the fixed-capacity messages; the round can then add (scale * sum_j S_j) into a flat buffer,
+    optionally leaving out this rank's own S_i.
+Dense fallback: when the sparse message would not be smaller than the dense payload (cap * pair bytes >=
+4 n, e.g. early in a density warm-up), the round all-reduces acc instead: S_i = acc, the residual becomes 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from compression.config import ExchangeConfig
+from compression.partition import BufferPartition
+from compression.protocol import StepContext
+from compression.quantize import quantize
+from compression.sparse_allgather import GatheredMessages, SparseAllGather, all_gather_words
+from kernels import exact_threshold, sampled_threshold, scatter_add_decode, segmented_sampled_threshold, sparse_gather
+
+FP32_BYTES = 4
+
+
+@dataclass
+class SparseRound:
+    """The outcome of one sparse round on one rank (see the module docstring)."""
+
+    partition: BufferPartition
+    rank: int
+    density_target: float
+    capacity: int = 0
+    count: int = 0  # entries this rank sent
+    selected: int = 0  # entries that passed the threshold (count + overflow)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense: bool = False
+    threshold: float = 0.0  # the global tau, or the mean of the per-span taus
+    gathered: GatheredMessages | None = None
+    own_indices: Tensor | None = None  # sparse-space indices this rank sent
+    own_dense: Tensor | None = None  # dense fallback: this rank's S_i (= acc)
+    total_dense: Tensor | None = None  # dense fallback: sum_j S_j
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def overflow(self) -> int:
+        return max(0, self.selected - self.count) if not self.dense else 0
+
+    def add_into(self, flat: Tensor, scale: float, exclude_own: bool = False) -> None:
+        """flat[sparse part] += scale * sum_j S_j (over j != rank when exclude_own)."""
+        if self.dense:
+            assert self.total_dense is not None and self.own_dense is not None
+            total = self.total_dense - self.own_dense if exclude_own else self.total_dense
+            self.partition.sparse.add_to(flat, total, alpha=scale)
+            return
+        assert self.gathered is not None
+        if exclude_own:
+            indices, values = self.gathered.without_rank(self.rank)
+        else:
+            indices, values = self.gathered.indices, self.gathered.values
+        if indices.numel():
+            scatter_add_decode(flat, indices, values, scale)
+
+    def zero_sent(self, buffer: Tensor) -> None:
+        """Zero the sparse-space entries of `buffer` that this rank sent (DGC momentum factor masking)."""
+        if self.dense:
+            buffer.zero_()
+        elif self.own_indices is not None and self.own_indices.numel():
+            buffer.index_fill_(0, self.own_indices, 0.0)
+
+
+class ThresholdSparsifier:
+    """Runs sparse rounds with the options of an ExchangeConfig (threshold, estimator, capacity, quantization).
+
+    Holds the sampler's random generator (its state is part of the method's checkpoint state).
+    """
+
+    def __init__(self, config: ExchangeConfig) -> None:
+        self.config = config
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(config.sample_seed)
+        self._seeded_for_rank: int | None = None
+        self._wire: SparseAllGather | None = None
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def seed_for_rank(self, rank: int) -> None:
+        """Give every rank its own sampling offsets (called once, on the first round, unless state was loaded)."""
+        if self._seeded_for_rank is None:
+            self.generator.manual_seed(self.config.sample_seed * 1_000_003 + rank)
+            self._seeded_for_rank = rank
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state().clone(), "seeded_for_rank": self._seeded_for_rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"].clone())
+        self._seeded_for_rank = state["seeded_for_rank"]
+
+    # -- one round -------------------------------------------------------------------------------------------
+    def wire(self, partition: BufferPartition) -> SparseAllGather:
+        if self._wire is None:
+            groups = partition.num_segments if self.config.threshold == "layer" else 1
+            self._wire = SparseAllGather(bits=self.config.quantize_bits, num_groups=max(1, groups))
+        return self._wire
+
+    def capacity(self, density: float, n: int) -> int:
+        return min(n, max(1, math.ceil(self.config.capacity_factor * density * n * (1.0 - 1e-12))))
+
+    def threshold(self, acc: Tensor, density: float, partition: BufferPartition) -> Tensor:
+        """tau (0-dim) or per-span taus [S]; 0 at density 1 (then every nonzero entry passes)."""
+        layer = self.config.threshold == "layer"
+        exact = self.config.threshold_estimator == "exact"
+        offsets = partition.segment_offsets
+        if density >= 1.0:
+            return torch.zeros(partition.num_segments if layer else (), dtype=torch.float32, device=acc.device)
+        if not layer:
+            if exact:
+                return exact_threshold(acc, density)
+            return sampled_threshold(acc, density, self.config.sample_size, self.generator)
+        if exact:
+            taus = [exact_threshold(acc[int(a) : int(b)], density) for a, b in zip(offsets[:-1], offsets[1:])]
+            return torch.stack(taus).to(torch.float32)
+        return segmented_sampled_threshold(acc, offsets, density, self.config.sample_size, self.generator)
+
+    def run(self, acc: Tensor, density: float, partition: BufferPartition, ctx: StepContext) -> SparseRound:
+        """One round on the accumulator `acc` (modified in place into the residual)."""
+        self.seed_for_rank(ctx.rank)
+        n = acc.numel()
+        rnd = SparseRound(partition=partition, rank=ctx.rank, density_target=density)
+        if n == 0:
+            rnd.gathered = GatheredMessages(acc.new_zeros(0, dtype=torch.int64), acc.new_zeros(0), [0] * ctx.world_size)
+            return rnd
+        wire = self.wire(partition)
+        cap = self.capacity(density, n)
+        rnd.capacity = cap
+        if self.config.dense_fallback and wire.payload_bytes(cap) >= n * FP32_BYTES:
+            return self._run_dense(acc, rnd, ctx)
+
+        layer = self.config.threshold == "layer"
+        tau = self.threshold(acc, density, partition)
+        msg = sparse_gather(acc, tau, cap, partition.segment_offsets if layer else None)
+        rnd.count, rnd.selected = msg.count, msg.selected
+        rnd.threshold = float(tau.float().mean()) if tau.numel() else 0.0
+        own_sparse = msg.indices[: msg.count].long()
+        values = msg.values[: msg.count]
+        rnd.own_indices = own_sparse
+        flat_idx = partition.sparse_to_flat(own_sparse)
+        if wire.bits:
+            groups = partition.sparse_to_segment(own_sparse) if layer else torch.zeros_like(own_sparse)
+            q = quantize(values, groups, max(1, partition.num_segments if layer else 1), wire.bits)
+            # acc[sent] was zeroed by sparse_gather: the quantization error becomes the residual there.
+            acc.index_copy_(0, own_sparse, values - q.dequantized)
+            message = wire.pack(flat_idx, q, cap)
+        else:
+            message = wire.pack(flat_idx, values, cap)
+        gathered = all_gather_words(message, ctx.world_size, ctx.group)
+        group_of = partition.flat_to_segment if layer else (lambda idx: torch.zeros_like(idx))
+        rnd.gathered = wire.unpack(gathered, cap, group_of)
+        rnd.bytes_sent = wire.payload_bytes(msg.count)
+        rnd.bytes_received = sum(wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != ctx.rank)
+        return rnd
+
+    def _run_dense(self, acc: Tensor, rnd: SparseRound, ctx: StepContext) -> SparseRound:
+        rnd.dense = True
+        rnd.own_dense = acc.clone()
+        total = acc  # reuse the buffer: the residual becomes 0 below anyway
+        if ctx.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        rnd.total_dense = total.clone()
+        acc.zero_()
+        n = acc.numel()
+        rnd.count = rnd.selected = n
+        rnd.bytes_sent = n * FP32_BYTES
+        rnd.bytes_received = n * FP32_BYTES if ctx.world_size > 1 else 0
+        return rnd

@@ -1,0 +1,1 @@
+"""Console entry points: nmt-train, nmt-translate, nmt-data, nmt-eval."""

@@ -1,0 +1,248 @@
+"""One configuration drives everything: YAML file + `key.path=value` overrides -> validated dataclasses.
+
+Why strict: a typo in a recipe (`train.lrr`) silently ignored costs a day of GPU time. Every unknown key is an
+error naming the file, line and the nearest valid key; every value is type-checked when loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compression.config import ExchangeConfig
+from nmt.data.config import DataConfig
+from nmt.decoding.config import DecodeConfig
+from nmt.models.config import PRESETS, ModelConfig
+from nmt.training.config import TrainConfig, ValidConfig
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message is one line saying where and what to do."""
+
+
+@dataclass
+class Config:
+    model_dir: str = "models/run"
+    seed: int = 1
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    valid: ValidConfig = field(default_factory=ValidConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+
+    def validate(self) -> None:
+        for section in (self.data, self.model, self.train, self.valid, self.decode, self.exchange):
+            section.validate()
+        if self.model.tie_embeddings == "all" and self.data.vocab.tgt_model:
+            raise ValueError(
+                "model.tie_embeddings: 'all' needs a joint vocabulary, but data.vocab.tgt_model is set; "
+                "use tie_embeddings: decoder or drop data.vocab.tgt_model"
+            )
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+
+
+def _key_lines(node: yaml.Node, prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
+    """Map dotted key paths to their 1-based line in the YAML source, for error messages."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = f"{prefix}{key_node.value}"
+            out[path] = key_node.start_mark.line + 1
+            _key_lines(value_node, path + ".", out)
+    return out
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {err.problem}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (data:, model:, train:, ...)")
+    return data, _key_lines(node) if node is not None else {}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 0.0003); the value is parsed as YAML (numbers, lists, booleans)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.path=value, e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key; expected key.path=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------------- dict -> dataclass
+
+
+def _origin(where: str, lines: dict[str, int], source: str, key: str) -> str:
+    line = lines.get(key)
+    if source and line:
+        return f"{source}:{line}: "
+    if source and source != "<overrides>":
+        return f"{source}: "
+    return where
+
+
+def _coerce(value: Any, hint: Any, key: str, prefix: str) -> Any:
+    """Check/convert one scalar or list value against its annotation."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, options[0], key, prefix)
+    if origin is list:
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        if not isinstance(value, list):
+            value = [value] if not isinstance(value, dict) else value
+        if not isinstance(value, list):
+            raise ConfigError(f"{prefix}{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_hint, f"{key}[{i}]", prefix) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{prefix}{key}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{prefix}{key}: expected an integer, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{prefix}{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{prefix}{key}: expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], path: str, lines: dict[str, int], source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{path}{key}"
+        prefix = _origin("", lines, source, full)
+        if key not in fields:
+            candidates = [f"{path}{name}" for name in fields]
+            near = difflib.get_close_matches(full, candidates, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {', '.join(fields)}"
+            raise ConfigError(f"{prefix}unknown key {full!r}{hint}")
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{full}: expected a section (mapping), got {value!r}")
+            kwargs[key] = _build(hint_type, value, full + ".", lines, source)
+        else:
+            kwargs[key] = _coerce(value, hint_type, full, prefix)
+    return cls(**kwargs)
+
+
+def _apply_preset(tree: dict[str, Any]) -> None:
+    model = tree.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return
+    name = model["preset"]
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {name!r} (available: {', '.join(PRESETS)})")
+    for key, value in PRESETS[name].items():
+        model.setdefault(key, value)
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "", lines: dict[str, int] | None = None) -> Config:
+    """Build and validate a Config from a nested dict (what YAML gives)."""
+    tree = _deep_copy(tree)
+    _apply_preset(tree)
+    config = _build(Config, tree, "", lines or {}, source)
+    try:
+        config.validate()
+    except ValueError as err:
+        raise ConfigError(f"{source + ': ' if source else ''}{err}") from None
+    return config
+
+
+def _deep_copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _deep_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_deep_copy(v) for v in tree]
+    return tree
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a recipe and apply `key.path=value` overrides (later ones win)."""
+    tree: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = ""
+    if path is not None:
+        source = str(path)
+        tree, lines = _read_yaml(Path(path))
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        _set_path(tree, keys, value)
+        lines.pop(".".join(keys), None)
+    try:
+        return config_from_dict(tree, source, lines)
+    except ConfigError as err:
+        message = str(err)
+        if overrides and source and not message.startswith(source):
+            message = f"{source} (with overrides): {message}"
+        raise ConfigError(message) from None
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: Config) -> str:
+    """The effective configuration as YAML (what `--dump-config` prints and checkpoints store)."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, allow_unicode=True)
+
+
+def save_config(config: Config, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_config(config), encoding="utf-8")
+    tmp.replace(path)

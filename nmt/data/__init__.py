@@ -1,0 +1,1 @@
+"""Data path: parallel text -> validation -> sentencepiece -> length filter -> token batches per rank."""

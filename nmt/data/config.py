@@ -1,0 +1,54 @@
+"""Configuration of the data path (`data:` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParallelFiles:
+    """A source/target file pair (plain text or .gz), one sentence per line."""
+
+    src: str = ""
+    tgt: str = ""
+
+
+@dataclass
+class VocabConfig:
+    """Sentencepiece vocabulary; trained on the training data on first use when `model` is missing."""
+
+    model: str = ""  # joint model path; empty -> <model_dir>/spm.model
+    tgt_model: str = ""  # set for separate source/target vocabularies
+    size: int = 8000
+    type: str = "unigram"  # unigram | bpe
+    character_coverage: float = 1.0
+    train_sentences: int = 2_000_000  # at most this many lines are sampled to train sentencepiece
+
+
+@dataclass
+class DataConfig:
+    train: ParallelFiles = field(default_factory=ParallelFiles)
+    valid: ParallelFiles = field(default_factory=ParallelFiles)
+    test: ParallelFiles = field(default_factory=ParallelFiles)
+    src_lang: str = "src"
+    tgt_lang: str = "tgt"
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    max_len: int = 128  # subword tokens, either side; longer training pairs are skipped
+    batch_tokens: int = 4096  # per batch per worker: max(src, tgt) padded length x sentences
+    buffer_sentences: int = 200_000  # streamed chunk: batches are bucketed and shuffled inside it
+    shuffle: bool = True
+    valid_max_sentences: int = 0  # 0 = all
+
+    def validate(self) -> None:
+        if self.max_len < 2:
+            raise ValueError(f"data.max_len must be >= 2, got {self.max_len}")
+        if self.batch_tokens < self.max_len:
+            raise ValueError(
+                f"data.batch_tokens ({self.batch_tokens}) must be >= data.max_len ({self.max_len})"
+            )
+        if self.buffer_sentences < 1:
+            raise ValueError(f"data.buffer_sentences must be >= 1, got {self.buffer_sentences}")
+        if self.vocab.size < 16:
+            raise ValueError(f"data.vocab.size must be >= 16, got {self.vocab.size}")
+        if self.vocab.type not in ("unigram", "bpe"):
+            raise ValueError(f"data.vocab.type must be 'unigram' or 'bpe', got {self.vocab.type!r}")

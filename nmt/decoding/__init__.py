@@ -1,0 +1,1 @@
+"""Decoding: batched beam search over any model with the `nmt.models.base` interface, ensembles, Translator."""

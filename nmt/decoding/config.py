@@ -1,0 +1,25 @@
+"""Configuration of decoding (`decode:` section), also used by validation BLEU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeConfig:
+    beam_size: int = 5
+    length_penalty: float = 1.0  # score / length**alpha
+    max_len_factor: float = 2.0  # at most int(max_len_factor * src_len + max_len_b) output tokens
+    max_len_b: int = 10
+    n_best: int = 1
+    batch_sentences: int = 64
+
+    def validate(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"decode.beam_size must be >= 1, got {self.beam_size}")
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"decode.n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
+        if self.max_len_factor <= 0:
+            raise ValueError(f"decode.max_len_factor must be > 0, got {self.max_len_factor}")
+        if self.batch_sentences < 1:
+            raise ValueError(f"decode.batch_sentences must be >= 1, got {self.batch_sentences}")

@@ -1,0 +1,1 @@
+"""Translation models sharing one decoding interface (see `nmt.models.base`)."""

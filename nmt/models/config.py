@@ -1,0 +1,64 @@
+"""Configuration of the model (`model:` section); `preset` fills unset sizes from a named preset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "transformer"  # transformer | rnn
+    preset: str = ""  # transformer: tiny | base | big ; explicit fields below override the preset
+    d_model: int = 512
+    ffn_dim: int = 2048
+    heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    norm: str = "pre"  # pre | post
+    tie_embeddings: str = "all"  # all (src, tgt, output; needs a joint vocab) | decoder (tgt + output) | none
+    max_positions: int = 1024
+    # rnn (Marian s2s style)
+    cell: str = "gru"  # gru | lstm
+    rnn_hidden: int = 512
+    rnn_embed: int = 256
+    rnn_layer_norm: bool = True  # layer-normalise RNN layer outputs (Marian --layer-normalization)
+
+    def validate(self) -> None:
+        if self.arch not in ("transformer", "rnn"):
+            raise ValueError(f"model.arch must be 'transformer' or 'rnn', got {self.arch!r}")
+        if self.norm not in ("pre", "post"):
+            raise ValueError(f"model.norm must be 'pre' or 'post', got {self.norm!r}")
+        if self.tie_embeddings not in ("all", "decoder", "none"):
+            raise ValueError(
+                f"model.tie_embeddings must be all | decoder | none, got {self.tie_embeddings!r}"
+            )
+        if self.cell not in ("gru", "lstm"):
+            raise ValueError(f"model.cell must be 'gru' or 'lstm', got {self.cell!r}")
+        if self.encoder_layers < 1 or self.decoder_layers < 1:
+            raise ValueError(
+                f"model.encoder_layers and model.decoder_layers must be >= 1, "
+                f"got {self.encoder_layers} and {self.decoder_layers}"
+            )
+        if self.arch == "transformer" and self.d_model % self.heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+# Named presets: values a recipe gets for `model.preset`; keys the recipe sets explicitly win.
+PRESETS: dict[str, dict[str, object]] = {
+    "tiny": {"d_model": 256, "ffn_dim": 1024, "heads": 4, "encoder_layers": 3, "decoder_layers": 3},
+    "base": {"d_model": 512, "ffn_dim": 2048, "heads": 8, "encoder_layers": 6, "decoder_layers": 6},
+    "big": {
+        "d_model": 1024,
+        "ffn_dim": 4096,
+        "heads": 16,
+        "encoder_layers": 6,
+        "decoder_layers": 6,
+        "dropout": 0.3,
+    },
+}

@@ -1,0 +1,1 @@
+"""Training: the update step, validation, checkpoints, distributed set-up and metrics."""

@@ -1,0 +1,85 @@
+"""Configuration of training and validation (`train:` and `valid:` sections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    optimizer: str = "adam"  # adam | sgd
+    lr: float = 5e-4  # peak learning rate
+    lr_schedule: str = "inverse_sqrt"  # inverse_sqrt | constant
+    warmup_steps: int = 4000
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    adam_eps: float = 1e-9
+    momentum: float = 0.0  # sgd only
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0 disables clipping; applied to the exchanged (global) gradient
+    optimizer_delay: int = 1  # micro-batches accumulated per optimizer step (delayed update)
+    max_steps: int = 0  # 0 = no limit
+    max_epochs: int = 0  # 0 = no limit
+    max_wall_s: float = 0.0  # 0 = no limit; wall-clock bound of the training loop
+    ema_decay: float = 0.0  # exponential smoothing of parameters; 0 disables
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast, CUDA only)
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads per worker; 0 = cores / local workers
+    log_every: int = 50
+    save_every: int = 1000  # steps; 0 = only at the end
+    keep_checkpoints: int = 2  # most recent step checkpoints kept (plus best)
+    resume: bool = True  # continue from <model_dir>/last when it exists
+    workers: int = 1  # local worker processes to launch when not under torchrun
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    collective_timeout_s: float = 300.0
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.lr_schedule not in ("inverse_sqrt", "constant"):
+            raise ValueError(f"train.lr_schedule must be inverse_sqrt | constant, got {self.lr_schedule!r}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.optimizer_delay < 1:
+            raise ValueError(f"train.optimizer_delay must be >= 1, got {self.optimizer_delay}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"train.precision must be fp32 | bf16 | fp16, got {self.precision!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device must be auto | cpu | cuda, got {self.device!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"train.backend must be auto | gloo | nccl, got {self.backend!r}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.workers < 1:
+            raise ValueError(f"train.workers must be >= 1, got {self.workers}")
+        if self.log_every < 1:
+            raise ValueError(f"train.log_every must be >= 1, got {self.log_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+
+@dataclass
+class ValidConfig:
+    every: int = 1000  # steps; 0 = only at the end
+    metrics: list[str] = field(default_factory=lambda: ["bleu", "chrf"])
+    max_sentences: int = 0  # 0 = the whole dev set
+    beam_size: int = 0  # 0 = decode.beam_size
+    early_stopping: int = 0  # stop after this many validations without a better BLEU; 0 disables
+    test_at_end: bool = True  # translate data.test with the best checkpoint and log a `test` row
+    translate: bool = True  # decode the dev set for BLEU/chrF (dev loss is always computed)
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"valid.every must be >= 0, got {self.every}")
+        unknown = [m for m in self.metrics if m not in ("bleu", "chrf")]
+        if unknown:
+            raise ValueError(f"valid.metrics: unknown metric {unknown[0]!r} (available: bleu, chrf)")
+        if self.early_stopping < 0:
+            raise ValueError(f"valid.early_stopping must be >= 0, got {self.early_stopping}")

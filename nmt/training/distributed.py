@@ -1,0 +1,134 @@
+"""Process-group set-up: torchrun's environment, or N local workers launched by `nmt-train --workers N`.
+
+Why launch workers ourselves: `nmt-train --workers 2` should just work on a laptop, the same way it does
+under torchrun on a cluster. The launcher watches its children: when one dies, the others are ended and
+the job exits with a message naming the rank, instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def worker_info_from_env() -> WorkerInfo:
+    """Rank and world size from torchrun's (or our launcher's) environment; single process otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return WorkerInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world)
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_process_group(info: WorkerInfo, device: torch.device, backend: str, timeout_s: float) -> None:
+    """Join the job's process group (env:// rendezvous); no-op for a single process."""
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_local_workers(n_workers: int, argv: list[str], grace_s: float = 10.0) -> int:
+    """Run `python -m nmt.cli.train ARGV` as n local workers with a torchrun-like environment.
+
+    Returns the job's exit code. If a worker exits non-zero, the others get SIGTERM (then SIGKILL after
+    `grace_s`) and a one-line message names the first rank that failed.
+    """
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    for rank in range(n_workers):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(n_workers),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(n_workers),
+            NMT_LOCAL_LAUNCH="1",
+        )
+        procs.append(subprocess.Popen([sys.executable, "-m", "nmt.cli.train", *argv], env=env))
+
+    def stop_all(sig: int = signal.SIGTERM) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    def forward_signal(signum: int, _frame: object) -> None:
+        stop_all(signum)
+
+    previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failed: tuple[int, int] | None = None
+        while True:
+            codes = [proc.poll() for proc in procs]
+            if failed is None:
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0):
+                        failed = (rank, code)
+                        print(
+                            f"nmt-train: worker rank {rank} exited with code {code}; stopping the other workers",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        stop_all()
+                        deadline = time.monotonic() + grace_s
+                        break
+            if all(code is not None for code in codes):
+                break
+            if failed is not None and time.monotonic() > deadline:
+                stop_all(signal.SIGKILL)
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failed is not None:
+        return failed[1] if failed[1] > 0 else 1
+    return 0

@@ -1,0 +1,521 @@
+"""The training loop: one explicit update step, validation, checkpoints, limits, metrics.
+
+The update step (`Trainer.train_step`) reads top to bottom:
+    micro-batches -> backward into the flat gradient buffer (delayed update, no exchange in between)
+    one small all_reduce of [tokens, loss, stop vote]      (global normalisation and agreement to stop)
+    exchange.reduce(flat_grad)                             the ONE place where ranks exchange gradients
+    clip -> optimizer.step -> scheduler.step
+    exchange.after_step(flat_params)                       parameter averaging, delayed synchronisation
+    ema.update
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from compression import ExchangeStats, StepContext, build_exchange
+from nmt.config import Config, save_config
+from nmt.data.batching import Batch, TrainBatches, batches_for_loss
+from nmt.data.corpus import read_lines
+from nmt.data.vocab import load_or_train_vocabs
+from nmt.decoding.translator import Translator
+from nmt.evaluation import score_corpus
+from nmt.models.build import build_model, count_parameters
+from nmt.models.loss import label_smoothed_cross_entropy
+from nmt.training.checkpoint import (
+    CheckpointWriter,
+    find_resume_dir,
+    load_training_state,
+)
+from nmt.training.distributed import WorkerInfo
+from nmt.training.flat import FlatModel, flatten_model
+from nmt.training.metrics import MetricsLog, Progress
+
+
+def select_device(config: Config, info: WorkerInfo) -> torch.device:
+    wanted = config.train.device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device is 'cuda' but CUDA is not available; use train.device=cpu")
+        return torch.device("cuda", info.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def inverse_sqrt(warmup: int):
+    """lr factor: linear warm-up to 1 over `warmup` steps, then decay with 1/sqrt(step) (Vaswani et al.)."""
+
+    def factor(step: int) -> float:
+        step = max(step, 1)
+        if warmup <= 0:
+            return 1.0
+        return min(step / warmup, math.sqrt(warmup / step))
+
+    return factor
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    nll_sum: float
+    tokens: int
+    stop: bool
+    stats: ExchangeStats
+    grad_norm: float
+
+
+@dataclass
+class RunState:
+    """Counters that a resumed run must continue from."""
+
+    step: int = 0
+    wall_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    best_bleu: float = -1.0
+    best_step: int = 0
+    bad_validations: int = 0
+    tokens_seen: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    """Owns the model, optimizer, exchange and data of one worker."""
+
+    def __init__(self, config: Config, info: WorkerInfo, device: torch.device) -> None:
+        self.config = config
+        self.info = info
+        self.device = device
+        self.model_dir = Path(config.model_dir)
+        self.group = dist.group.WORLD if info.world_size > 1 else None
+        if info.is_main:
+            self.model_dir.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+
+        # Vocabulary: rank 0 trains it on first use; the others wait and load it.
+        data = config.data
+        if info.is_main:
+            self.vocabs = load_or_train_vocabs(data.vocab, data.train.src, data.train.tgt, self.model_dir)
+        self.barrier()
+        if not info.is_main:
+            self.vocabs = load_or_train_vocabs(data.vocab, data.train.src, data.train.tgt, self.model_dir)
+        src_vocab, tgt_vocab = self.vocabs
+
+        # Model: identical initialisation on every rank (same seed), then per-rank dropout streams.
+        torch.manual_seed(config.seed)
+        self.model = build_model(
+            config.model, len(src_vocab), len(tgt_vocab), src_vocab.pad_id, tgt_vocab.bos_id, tgt_vocab.eos_id
+        ).to(device)
+        self.flat: FlatModel = flatten_model(self.model, self.model.parameter_kinds())
+        self.embedding_streams = self.model.embedding_streams()
+        torch.manual_seed(config.seed * 1000 + info.rank)
+        random.seed(config.seed * 1000 + info.rank)
+
+        train = config.train
+        params = [p for _, p in self.flat.named]
+        if train.optimizer == "adam":
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
+                params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+                weight_decay=train.weight_decay,
+            )
+        else:
+            self.optimizer = torch.optim.SGD(
+                params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
+            )
+        schedule = inverse_sqrt(train.warmup_steps) if train.lr_schedule == "inverse_sqrt" else (lambda s: 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.exchange = build_exchange(config.exchange)
+        self.ema = self.flat.params.detach().clone() if train.ema_decay > 0 else None
+
+        self.autocast = nullcontext()
+        self.scaler = None
+        if device.type == "cuda" and train.precision != "fp32":
+            dtype = torch.bfloat16 if train.precision == "bf16" else torch.float16
+            self.autocast = torch.autocast("cuda", dtype=dtype)
+            if train.precision == "fp16":
+                self.scaler = torch.amp.GradScaler("cuda")
+        elif train.precision != "fp32":
+            raise RuntimeError(f"train.precision={train.precision} needs CUDA; use train.precision=fp32 on CPU")
+
+        self.batches = TrainBatches(
+            data.train.src, data.train.tgt, src_vocab, tgt_vocab, data,
+            seed=config.seed, rank=info.rank, world_size=info.world_size,
+        )
+        self.state = RunState()
+        self.writer = CheckpointWriter(
+            self.model_dir, info.rank, info.world_size, self.barrier, keep=train.keep_checkpoints
+        )
+
+        resume_dir = find_resume_dir(self.model_dir) if train.resume else None
+        if resume_dir is not None:
+            self._load(resume_dir)
+        if info.is_main:
+            save_config(config, self.model_dir / "config.yml")
+        self.metrics = MetricsLog(self.model_dir / "metrics.jsonl", info.is_main, self.state.step)
+        self.resumed_from = resume_dir
+
+    # ------------------------------------------------------------------------------ collectives
+
+    def barrier(self) -> None:
+        if self.info.world_size > 1:
+            dist.barrier()
+
+    def context(self, touched: dict[str, torch.Tensor] | None = None) -> StepContext:
+        return StepContext(
+            step=self.state.step,
+            world_size=self.info.world_size,
+            rank=self.info.rank,
+            layout=self.flat.layout,
+            group=self.group,
+            touched_rows=touched or {},
+        )
+
+    # ------------------------------------------------------------------------------ the update step
+
+    def train_step(self, micro_batches: list[Batch], stop_vote: bool) -> StepResult:
+        """One optimizer step over `micro_batches` (delayed update); every rank calls it together."""
+        self.model.train()
+        flat_grad = self.flat.grads
+        loss_sum = torch.zeros((), device=self.device)
+        nll_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for batch in micro_batches:
+            with self.autocast:
+                logits = self.model(batch.src, batch.tgt_in)
+            loss, nll, n_tokens = label_smoothed_cross_entropy(
+                logits, batch.tgt_out, self.config.train.label_smoothing, self.model.pad_id
+            )
+            (self.scaler.scale(loss) if self.scaler else loss).backward()  # sums into the flat buffer
+            loss_sum += loss.detach()
+            nll_sum += nll.detach()
+            tokens += n_tokens
+
+        # Global token count, loss and stop vote in one tiny collective: the average over ranks of
+        # world_size * grad / global_tokens is exactly the per-token gradient of the union of the batches.
+        control = torch.stack([torch.tensor(float(tokens), device=self.device), loss_sum, nll_sum,
+                               torch.tensor(float(stop_vote), device=self.device)])
+        if self.info.world_size > 1:
+            dist.all_reduce(control, group=self.group)
+        global_tokens, global_loss, global_nll, votes = control.tolist()
+        scale = self.info.world_size / max(global_tokens, 1.0)
+        if self.scaler is not None:
+            scale /= self.scaler.get_scale()
+        flat_grad.mul_(scale)
+
+        skip = False
+        if self.scaler is not None:
+            # fp16: every rank must agree to skip a step with inf/NaN gradients.
+            bad = torch.tensor([float(not torch.isfinite(flat_grad).all())], device=self.device)
+            if self.info.world_size > 1:
+                dist.all_reduce(bad, group=self.group)
+            skip = bad.item() > 0
+
+        stats = ExchangeStats()
+        grad_norm = float("nan")
+        if not skip:
+            stats = self.exchange.reduce(flat_grad, self.context(self._touched_rows(micro_batches)))
+            grad_norm = float(flat_grad.norm())
+            clip = self.config.train.clip_norm
+            if clip > 0 and grad_norm > clip:
+                flat_grad.mul_(clip / (grad_norm + 1e-6))
+            self.optimizer.step()
+        if self.scaler is not None:
+            self._update_scaler(skip)
+        self.scheduler.step()
+        self.state.step += 1
+        if not skip:
+            stats = stats.merge(self.exchange.after_step(self.flat.params, self.context()))
+            if self.ema is not None:
+                self.ema.lerp_(self.flat.params, 1.0 - self.config.train.ema_decay)
+        flat_grad.zero_()
+        return StepResult(global_loss, global_nll, int(global_tokens), votes > 0, stats, grad_norm)
+
+    def _update_scaler(self, found_inf: bool) -> None:
+        # GradScaler.update needs per-optimizer inf records; we unscaled by hand, so adjust the scale directly.
+        assert self.scaler is not None
+        scale = self.scaler.get_scale()
+        self.scaler.update(scale * 0.5 if found_inf else scale)
+
+    def _touched_rows(self, micro_batches: list[Batch]) -> dict[str, torch.Tensor]:
+        if not self.embedding_streams:
+            return {}
+        streams = {
+            "src": torch.cat([b.src.reshape(-1) for b in micro_batches]),
+            "tgt": torch.cat([b.tgt_in.reshape(-1) for b in micro_batches]),
+        }
+        return {name: torch.unique(streams[stream]) for name, stream in self.embedding_streams.items()}
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def fit(self) -> RunState:
+        """Train until a limit is reached; validate, checkpoint and log on the way."""
+        train, valid = self.config.train, self.config.valid
+        progress = Progress(self.info.is_main and train.progress, train.max_steps or None, self.state.step)
+        if self.info.is_main:
+            n_params = count_parameters(self.model)
+            progress.write(
+                f"nmt-train: {n_params:,} parameters, {self.info.world_size} worker(s), device {self.device}, "
+                f"exchange {self.config.exchange.method}"
+                + (f", resumed from {self.resumed_from.name}" if self.resumed_from else "")
+            )
+        batch_iter = iter(self.batches)
+        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0, "bytes": 0, "steps": 0, "start": time.perf_counter()}
+        start = time.perf_counter() - self.state.wall_s
+        stop = False
+        while not stop:
+            micro = [next(batch_iter).to(self.device) for _ in range(train.optimizer_delay)]
+            wall = time.perf_counter() - start
+            vote = self._limit_reached(wall, upcoming_step=self.state.step + 1)
+            result = self.train_step(micro, stop_vote=vote)
+            self.state.wall_s = time.perf_counter() - start
+            self.state.bytes_sent += result.stats.bytes_sent
+            self.state.bytes_received += result.stats.bytes_received
+            self.state.tokens_seen += result.tokens
+            interval["loss"] += result.loss_sum
+            interval["nll"] += result.nll_sum
+            interval["tokens"] += result.tokens
+            interval["bytes"] += result.stats.bytes_sent
+            interval["steps"] += 1
+            stop = result.stop
+            step = self.state.step
+
+            if step % train.log_every == 0 or stop:
+                elapsed = max(time.perf_counter() - interval["start"], 1e-9)
+                row = {
+                    "step": step,
+                    "kind": "train",
+                    "epoch": self.batches.epoch,
+                    "loss": interval["loss"] / max(interval["tokens"], 1),
+                    "nll": interval["nll"] / max(interval["tokens"], 1),
+                    "tokens": interval["tokens"],
+                    "tok_per_s": interval["tokens"] / elapsed,
+                    "wall_s": round(self.state.wall_s, 3),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": result.grad_norm,
+                    "bytes_sent": self.state.bytes_sent,
+                    "bytes_per_step": interval["bytes"] / interval["steps"],
+                    "density": result.stats.density,
+                }
+                self.metrics.write(row)
+                progress.update(interval["steps"], row["loss"], row["tok_per_s"], row["bytes_per_step"])
+                interval = {"loss": 0.0, "nll": 0.0, "tokens": 0, "bytes": 0, "steps": 0,
+                            "start": time.perf_counter()}
+
+            due_valid = valid.every > 0 and step % valid.every == 0
+            due_save = train.save_every > 0 and step % train.save_every == 0
+            if due_valid or stop:
+                improved, early = self.validate(progress)
+                ckpt = self.save()
+                if improved:
+                    self.writer.mark_best(ckpt)
+                self.writer.prune()
+                stop = stop or early
+            elif due_save:
+                self.save()
+                self.writer.prune()
+        progress.close()
+        if valid.test_at_end and self.config.data.test.src:
+            self.test(progress)
+        return self.state
+
+    def _limit_reached(self, wall_s: float, upcoming_step: int) -> bool:
+        train = self.config.train
+        if train.max_steps and upcoming_step >= train.max_steps:
+            return True
+        if train.max_wall_s and wall_s >= train.max_wall_s:
+            return True
+        if train.max_epochs and self.batches.epoch > train.max_epochs:
+            return True
+        return False
+
+    # ------------------------------------------------------------------------------ validation
+
+    def _with_eval_weights(self):
+        """Context: parameters replaced by their exponential smoothing (if enabled) during evaluation."""
+        trainer = self
+
+        class Swap:
+            def __enter__(self_inner):
+                self_inner.saved = None
+                if trainer.ema is not None:
+                    self_inner.saved = trainer.flat.params.detach().clone()
+                    trainer.flat.params.copy_(trainer.ema)
+
+            def __exit__(self_inner, *exc):
+                if self_inner.saved is not None:
+                    trainer.flat.params.copy_(self_inner.saved)
+
+        return Swap()
+
+    @torch.no_grad()
+    def dev_loss(self) -> tuple[float, int]:
+        data = self.config.data
+        src_vocab, tgt_vocab = self.vocabs
+        src_lines, tgt_lines = self._dev_lines()
+        batches = batches_for_loss(src_lines, tgt_lines, src_vocab, tgt_vocab, data.batch_tokens)
+        nll = torch.zeros(2, dtype=torch.float64)
+        self.model.eval()
+        for i, batch in enumerate(batches):
+            if i % self.info.world_size != self.info.rank:
+                continue
+            batch = batch.to(self.device)
+            with self.autocast:
+                logits = self.model(batch.src, batch.tgt_in)
+            _, batch_nll, n_tokens = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.0, self.model.pad_id)
+            nll += torch.tensor([float(batch_nll), float(n_tokens)], dtype=torch.float64)
+        if self.info.world_size > 1:
+            dist.all_reduce(nll, group=self.group)
+        return float(nll[0] / max(nll[1], 1)), int(nll[1])
+
+    def _dev_lines(self) -> tuple[list[str], list[str]]:
+        data = self.config.data
+        src = read_lines(data.valid.src)
+        tgt = read_lines(data.valid.tgt)
+        if len(src) != len(tgt):
+            raise ValueError(f"{data.valid.src} has {len(src)} lines but {data.valid.tgt} has {len(tgt)}")
+        limit = self.config.valid.max_sentences
+        if limit:
+            src, tgt = src[:limit], tgt[:limit]
+        return src, tgt
+
+    @torch.no_grad()
+    def translate_sharded(self, sentences: list[str]) -> list[str]:
+        """Every rank translates every world_size-th sentence; rank 0 gets all translations back in order."""
+        decode = self.config.decode
+        if self.config.valid.beam_size:
+            decode = type(decode)(**{**decode.__dict__, "beam_size": self.config.valid.beam_size,
+                                     "n_best": 1})
+        self.model.eval()
+        translator = Translator([self.model], self.vocabs[0], self.vocabs[1], decode, device=self.device)
+        mine = list(range(self.info.rank, len(sentences), self.info.world_size))
+        outputs = translator.translate([sentences[i] for i in mine])
+        pairs = list(zip(mine, outputs))
+        if self.info.world_size > 1:
+            gathered: list[Any] = [None] * self.info.world_size
+            dist.all_gather_object(gathered, pairs, group=self.group)
+            pairs = [p for part in gathered for p in part]
+        result = [""] * len(sentences)
+        for i, text in pairs:
+            result[i] = text
+        return result
+
+    def validate(self, progress: Progress) -> tuple[bool, bool]:
+        """Dev loss, BLEU and chrF on the synchronised (and smoothed) model; returns (improved, stop)."""
+        stats = self.exchange.synchronize_params(self.flat.params, self.context())
+        self.state.bytes_sent += stats.bytes_sent
+        valid = self.config.valid
+        started = time.perf_counter()
+        with self._with_eval_weights():
+            loss, n_tokens = self.dev_loss()
+            row: dict[str, Any] = {"step": self.state.step, "kind": "valid", "loss": loss,
+                                   "ppl": math.exp(min(loss, 50)), "tokens": n_tokens,
+                                   "wall_s": round(self.state.wall_s, 3), "bytes_sent": self.state.bytes_sent}
+            score = -loss
+            if valid.translate:
+                src, refs = self._dev_lines()
+                hyps = self.translate_sharded(src)
+                scores = score_corpus(hyps, refs)
+                row.update(bleu=scores.bleu, chrf=scores.chrf, bleu_signature=scores.bleu_signature,
+                           chrf_signature=scores.chrf_signature)
+                score = scores.bleu
+        row["valid_s"] = round(time.perf_counter() - started, 3)
+        improved = score > self.state.best_bleu
+        if improved:
+            self.state.best_bleu, self.state.best_step, self.state.bad_validations = score, self.state.step, 0
+        else:
+            self.state.bad_validations += 1
+        self.metrics.write(row)
+        if "bleu" in row:
+            progress.write(
+                f"[valid] step {self.state.step}: loss {loss:.3f} BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f}"
+                f"{' (best)' if improved else ''}  {row['bleu_signature']}"
+            )
+        else:
+            progress.write(f"[valid] step {self.state.step}: loss {loss:.3f}")
+        early = bool(valid.early_stopping) and self.state.bad_validations >= valid.early_stopping
+        if early:
+            progress.write(f"[valid] no improvement in {valid.early_stopping} validations: stopping early")
+        return improved, early
+
+    def test(self, progress: Progress) -> None:
+        """Translate data.test with the best checkpoint's weights and log a `test` row."""
+        data = self.config.data
+        best = self.model_dir / "best"
+        if best.exists():
+            weights = torch.load(best / "model.pt", map_location="cpu", weights_only=True)
+            self.model.load_state_dict(weights["ema"] or weights["model"])
+            step = json.loads((best / "meta.json").read_text())["step"]
+        else:
+            step = self.state.step
+        src = read_lines(data.test.src)
+        refs = read_lines(data.test.tgt)
+        hyps = self.translate_sharded(src)
+        if self.info.is_main:
+            scores = score_corpus(hyps, refs)
+            (self.model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+            self.metrics.write({"step": step, "kind": "test", "bleu": scores.bleu, "chrf": scores.chrf,
+                                "bleu_signature": scores.bleu_signature, "sentences": len(src)})
+            progress.write(f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
+                           f"  {scores.bleu_signature}")
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "exchange": self.exchange.state_dict(),
+            "data": self.batches.state_dict(),
+            "run": self.state.__dict__.copy(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "python": random.getstate(),
+            },
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def save(self) -> Path:
+        """Synchronise replicas, then write a checkpoint of every rank's state (atomic)."""
+        stats = self.exchange.synchronize_params(self.flat.params, self.context())
+        self.state.bytes_sent += stats.bytes_sent
+        ema_state = None
+        if self.ema is not None:
+            ema_state = {span.name: self.ema[span.offset: span.end].view(span.shape) for span in self.flat.layout}
+        meta = {"best_bleu": self.state.best_bleu, "wall_s": self.state.wall_s,
+                "exchange": self.config.exchange.method}
+        path = self.writer.save(self.state.step, self.config, self.vocabs, self.model.state_dict(), ema_state,
+                                self._rank_state(), meta)
+        return path
+
+    def _load(self, ckpt: Path) -> None:
+        weights, state, _meta = load_training_state(ckpt, self.info.rank, self.info.world_size)
+        self.model.load_state_dict(weights["model"])
+        if self.ema is not None:
+            ema = weights.get("ema")
+            if ema:
+                for span in self.flat.layout:
+                    self.ema[span.offset: span.end].copy_(ema[span.name].reshape(-1))
+            else:
+                self.ema.copy_(self.flat.params)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.exchange.load_state_dict(state["exchange"])
+        self.batches.load_state_dict(state["data"])
+        self.state = RunState(**state["run"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        random.setstate(state["rng"]["python"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
