@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DATA    := data/bible-es-en
-SWORD   := /usr/share/sword/modules/texts/ztext/web
+SWORD   := /usr/share/sword/mods.d/spaRV1909eb.conf /usr/share/sword/mods.d/engWEB2015eb.conf
 WORKERS ?= 2
 
 .PHONY: install sword corpus train test lint bench clean
@@ -24,7 +24,7 @@ $(SWORD):
 
 sword: $(SWORD)
 
-$(DATA)/train.es: | $(STAMP) $(SWORD)
+$(DATA)/train.es: nmt/data/bible.py | $(STAMP) $(SWORD)
 	$(BIN)/nmt-data bible --out $(DATA)
 
 corpus: $(DATA)/train.es

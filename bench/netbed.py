@@ -111,10 +111,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def cleanup_stale(everything: bool = False) -> list[str]:
-    """Delete beds whose owning process is gone (or all beds with `everything`).
+def delete_namespace(name: str) -> None:
+    """Kill whatever still runs inside namespace `name` (all started by a bed), then delete it.
 
     Deleting a namespace deletes the veths and the bridge inside it, so nothing else is left.
+    """
+    pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _sh("ip", "netns", "del", name, check=False)
+
+
+def cleanup_stale(everything: bool = False) -> list[str]:
+    """Delete beds whose owning process is gone (or all beds with `everything`), and their processes.
 
     Returns:
         The namespaces that were deleted.
@@ -124,7 +136,7 @@ def cleanup_stale(everything: bool = False) -> list[str]:
         match = re.match(rf"{re.escape(PREFIX)}(\d+)-", name)
         owner = int(match.group(1)) if match else None
         if everything or owner is None or not _pid_alive(owner):
-            _sh("ip", "netns", "del", name, check=False)
+            delete_namespace(name)
             removed.append(name)
     return removed
 
@@ -178,7 +190,7 @@ class NetBed:
         master_port: int = DEFAULT_MASTER_PORT,
         name: str | None = None,
     ) -> None:
-        if not 1 <= hosts <= 16:
+        if not 2 <= hosts <= 16:
             raise ValueError(f"hosts={hosts}: use 2-4 hosts (at most 16)")
         self.hosts = hosts
         self.bandwidth = bandwidth
@@ -209,7 +221,7 @@ class NetBed:
         cleanup_stale()
         for ns in self.namespaces:
             if ns in list_namespaces(self.name):
-                _sh("ip", "netns", "del", ns)
+                delete_namespace(ns)
         atexit.register(self.down)
         self._up = True
         try:
@@ -254,7 +266,7 @@ class NetBed:
             _kill_group(child)
         self._children.clear()
         for ns in self.namespaces:
-            _sh("ip", "netns", "del", ns, check=False)
+            delete_namespace(ns)  # also ends anything that escaped the process groups
         self._up = False
         atexit.unregister(self.down)
 
@@ -286,6 +298,13 @@ class NetBed:
             "MASTER_PORT": str(self.master_port),
             "GLOO_SOCKET_IFNAME": HOST_IFNAME,
             "TP_SOCKET_IFNAME": HOST_IFNAME,  # torch.distributed.rpc (tensorpipe), used by the dgs trainer
+            # torchrun's c10d rendezvous inside a bed needs both: host 0 must be told to host the
+            # store (it cannot recognise 10.77.0.1 as its own hostname's address), and each agent
+            # must advertise its bed address (not the shared hostname) as the workers' MASTER_ADDR.
+            "NETBED_TORCHRUN_ARGS": (
+                f"--rdzv-backend c10d --rdzv-endpoint {self.addr(0)}:{self.master_port} --rdzv-id netbed "
+                f"--rdzv-conf is_host={int(host == 0)} --local-addr {self.addr(host)}"
+            ),
             "RANK": str(host * procs_per_host + proc),
             "WORLD_SIZE": str(self.hosts * procs_per_host),
             "LOCAL_RANK": str(proc),
@@ -355,8 +374,11 @@ class NetBed:
                 pumps.append(pump)
         result = RunResult(log_dir=logs)
         deadline = started + timeout
-        while any(child.poll() is None for _, _, child, _ in procs):
-            failed = any(child.returncode not in (None, 0) for _, _, child, _ in procs)
+        while True:
+            codes = [child.poll() for _, _, child, _ in procs]  # poll every child: no short-circuit
+            if all(code is not None for code in codes):
+                break
+            failed = any(code not in (None, 0) for code in codes)
             if time.monotonic() > deadline or failed:
                 # A failed host usually leaves its peers blocked in a collective: end them too, now.
                 result.timed_out = not failed
@@ -483,12 +505,15 @@ def measure_throughput(bed: NetBed, nbytes: int) -> float:
 
 # ----- CLI ---------------------------------------------------------------------------------------
 def _install_signal_handlers() -> None:
-    """Turn SIGTERM/SIGHUP into SystemExit so `finally` and atexit tear the bed down."""
+    """Turn SIGINT/SIGTERM/SIGHUP into SystemExit so `finally` and atexit tear the bed down.
+
+    SIGINT is set explicitly: a shell starts background jobs with SIGINT ignored.
+    """
 
     def _exit(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit)
 
 

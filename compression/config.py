@@ -19,15 +19,20 @@ class ExchangeConfig:
     threshold_estimator: str = "sampled"  # sampled | exact
     sample_size: int = 100_000
     capacity_factor: float = 1.2
-    warmup_steps: int = 0  # drop-ratio warm-up: R_t = R ** (warmup_steps / (1 + t)) while t < warmup_steps
+    # drop-ratio warm-up. dropping/local_mix: R_t = R ** (warmup_steps / (1 + t)) while t < warmup_steps;
+    # dgc: density 0.25, 0.0625, ... (x 1/4 per stage) down to 1 - drop_ratio over warmup_steps (Lin et al.)
+    warmup_steps: int = 0
     dense_vectors: bool = True  # 1-D parameters (biases, norms) travel dense
     embedding_rows: bool = True  # untied input embeddings travel as (row id, row) for touched rows
-    quantize_bits: int = 0  # 0 (off) | 1 | 2
+    quantize_bits: int = 0  # 0 (off) | 1 | 2: sign + bucketed magnitude codes for the kept values
+    dense_fallback: bool = True  # all-reduce instead when a sparse message would not be smaller (warm-up)
+    sample_seed: int = 0  # seed of the threshold sampler's random offsets (rank is mixed in)
     # local_mix (Aji, Heafield & Bogoychev 2019)
     local_mode: str = "replace"  # sum | replace
     average_every: int = 500
     # dgc (Lin et al. 2018)
-    momentum: float = 0.9
+    momentum: float = 0.9  # momentum correction; pair with train.optimizer: sgd and momentum 0
+    local_clip_norm: float = 0.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
     # sbc (Sattler et al. 2018)
     delay: int = 1
     density: float = 0.01
@@ -39,6 +44,11 @@ class ExchangeConfig:
     sbc_selection: str = "per_sign"  # per_sign (top p of each sign) | magnitude (top p of |x|, then split)
     sbc_dense_vectors: bool = False  # true: 1-D parameters travel dense (fp32), never binarized
     sbc_momentum_masking: bool = True  # zero optimizer momentum where this rank's update was sent
+    # dgs (Yan et al. 2019), continued: see docs/dgs.md. Push density is 1 - drop_ratio (with warmup_steps)
+    dgs_mode: str = "dual"  # dual (sparse push + sparse pull) | one_way (sparse push, dense pull) | dense
+    dgs_pull_density: float = 0.0  # density of the server's replies; 0 = the push density
+    dgs_deterministic: bool = False  # serve workers in fixed round-robin order (reproducible; tests)
+    dgs_slow_worker_ms: int = 0  # deliberate sleep per step on worker rank 1 (slow-worker experiment)
 
     def validate(self) -> None:
         """Raise ValueError naming the key for any out-of-range option."""
@@ -58,6 +68,10 @@ class ExchangeConfig:
             raise ValueError(f"exchange.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.quantize_bits not in (0, 1, 2):
             raise ValueError(f"exchange.quantize_bits must be 0, 1 or 2, got {self.quantize_bits}")
+        if self.sample_seed < 0:
+            raise ValueError(f"exchange.sample_seed must be >= 0, got {self.sample_seed}")
+        if self.local_clip_norm < 0:
+            raise ValueError(f"exchange.local_clip_norm must be >= 0 (0 = off), got {self.local_clip_norm}")
         if self.local_mode not in ("sum", "replace"):
             raise ValueError(f"exchange.local_mode must be 'sum' or 'replace', got {self.local_mode!r}")
         if self.average_every < 1:
@@ -70,3 +84,10 @@ class ExchangeConfig:
             raise ValueError(f"exchange.density must be in (0, 1], got {self.density}")
         if self.max_staleness < 1:
             raise ValueError(f"exchange.max_staleness must be >= 1, got {self.max_staleness}")
+        if self.dgs_mode not in ("dual", "one_way", "dense"):
+            raise ValueError(f"exchange.dgs_mode must be dual | one_way | dense, got {self.dgs_mode!r}")
+        if not 0.0 <= self.dgs_pull_density <= 1.0:
+            raise ValueError(f"exchange.dgs_pull_density must be in [0, 1] (0 = push density), "
+                             f"got {self.dgs_pull_density}")
+        if self.dgs_slow_worker_ms < 0:
+            raise ValueError(f"exchange.dgs_slow_worker_ms must be >= 0, got {self.dgs_slow_worker_ms}")

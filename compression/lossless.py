@@ -46,22 +46,29 @@ def touched_rows(flat: Tensor, partition: BufferPartition, ctx: StepContext) -> 
     return out
 
 
-def average_embedding_rows(flat: Tensor, partition: BufferPartition, ctx: StepContext) -> tuple[int, int]:
-    """Embedding spans <- rank average, exchanging only touched rows. Returns (bytes sent, values sent).
+def average_embedding_rows(
+    flat: Tensor, partition: BufferPartition, ctx: StepContext
+) -> tuple[int, int, int]:
+    """Embedding spans <- rank average, exchanging only touched rows.
+
+    Returns (bytes sent, values sent, bytes received from the other ranks).
 
     Rows not touched by any rank become exactly 0 (their gradient is 0 on every rank by construction).
     """
     if not partition.row_spans:
-        return 0, 0
+        return 0, 0, 0
     rows = touched_rows(flat, partition, ctx)
     packed = [gather_rows(partition.row_view(flat, s), r) for s, r in zip(partition.row_spans, rows)]
     n_bytes = sum(row_payload_bytes(r.numel(), s.shape[1]) for s, r in zip(partition.row_spans, rows))
     n_values = sum(r.numel() * s.shape[1] for s, r in zip(partition.row_spans, rows))
     if ctx.world_size == 1:
-        return n_bytes, n_values
+        return n_bytes, n_values, 0
     gathered = exchange_rows(rows, packed, ctx.world_size, ctx.group)
+    received = 0
     for span, got in zip(partition.row_spans, gathered):
         view = partition.row_view(flat, span)
         view.zero_()
         scatter_rows(view, got.rows, got.values, scale=1.0 / ctx.world_size)
-    return n_bytes, n_values
+        others = sum(c for r, c in enumerate(got.counts) if r != ctx.rank)
+        received += row_payload_bytes(others, span.shape[1])
+    return n_bytes, n_values, received

@@ -1,4 +1,4 @@
-"""Split the flat gradient buffer into the parts that travel differently: sparse, dense vectors, embedding rows.
+"""Split the flat gradient buffer into the parts that travel differently: sparse, dense vectors, rows.
 
 Why: the gradient-dropping family treats parameters by kind. 1-D parameters (biases, norms) are tiny and
 sensitive, so they may travel dense; untied input embeddings are row-sparse, so they may travel losslessly as
@@ -23,7 +23,7 @@ from compression.protocol import ParamSpan
 
 @dataclass(frozen=True)
 class Run:
-    """A maximal stretch of the flat buffer that belongs to one part: flat[flat:flat+length] == part[at:at+length]."""
+    """A maximal stretch of the flat buffer in one part: flat[flat : flat+length] == part[at : at+length]."""
 
     flat: int
     at: int
@@ -46,7 +46,7 @@ def _runs(spans: Sequence[ParamSpan]) -> list[Run]:
 
 
 class Part:
-    """One part of the flat buffer (a set of spans), with copies between the flat buffer and a contiguous buffer."""
+    """One part of the flat buffer (a set of spans); copies between the flat buffer and a contiguous one."""
 
     def __init__(self, spans: Sequence[ParamSpan]) -> None:
         self.spans = list(spans)
@@ -110,7 +110,9 @@ class BufferPartition:
         self.row_spans = [s for s in ordered if embedding_rows and s.kind == "embedding"]
         for span in self.row_spans:
             if len(span.shape) != 2:
-                raise ValueError(f"embedding span {span.name!r} has shape {span.shape}; row exchange needs [V, D]")
+                raise ValueError(
+                    f"embedding span {span.name!r} has shape {span.shape}; row exchange needs [V, D]"
+                )
         taken = {s.name for s in self.dense.spans} | {s.name for s in self.row_spans}
         self.sparse = Part([s for s in ordered if s.name not in taken])
         sizes = torch.tensor([s.numel for s in self.sparse.spans], dtype=torch.int64)

@@ -58,7 +58,9 @@ def quantize(values: Tensor, groups: Tensor, num_groups: int, bits: int) -> Quan
         hi = hi.scatter_reduce(0, groups, mag, reduce="amax", include_self=True)
         width = (hi - lo) / n_levels
         w = width[groups]
-        rel = torch.where(w > 0, (mag - lo[groups]) / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(w))
+        rel = torch.where(
+            w > 0, (mag - lo[groups]) / torch.where(w > 0, w, torch.ones_like(w)), torch.zeros_like(w)
+        )
         bucket = rel.floor().clamp_(0, n_levels - 1).long()
     slot = groups * n_levels + bucket
     sums = torch.zeros(num_groups * n_levels, dtype=mag.dtype, device=mag.device).index_add_(0, slot, mag)

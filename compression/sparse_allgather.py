@@ -5,6 +5,7 @@ one equal-size collective is also the fast path on NCCL. Each rank packs its mes
 values or packed codes) into one int32 tensor padded to the capacity; receivers read the header and ignore
 the padding. Bytes are counted from the payload (what a variable-size protocol would send), not the padding.
 
+The collective is all_gather_into_tensor (named all_gather_single from torch 2.13 on).
 Wire formats (int32 words; fp32 values and packed code bytes are bit-cast, never converted):
     sparse, plain      [count | index * capacity | value * capacity]
     sparse, quantized  [count | scale * (groups * levels) | index * capacity | code bytes, padded to words]
@@ -30,13 +31,17 @@ INDEX_BYTES = 4
 VALUE_BYTES = 4
 ROW_ID_BYTES = 4
 
+# torch 2.13 renamed all_gather_into_tensor (a deprecated alias there, with a FutureWarning per call) to
+# all_gather_single; torch 2.11 (the GPU machines) has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def all_gather_words(message: Tensor, world_size: int, group: dist.ProcessGroup | None) -> Tensor:
     """Gather one equal-size 1-D tensor from every rank: returns [world_size, numel] (rank order)."""
     if world_size == 1:
         return message.unsqueeze(0)
     out = message.new_empty(world_size * message.numel())
-    dist.all_gather_into_tensor(out, message.contiguous(), group=group)
+    _all_gather_single(out, message.contiguous(), group=group)
     return out.view(world_size, message.numel())
 
 
@@ -114,7 +119,9 @@ class SparseAllGather:
             msg[at : at + count] = values.to(torch.float32).view(torch.int32)
         return msg
 
-    def unpack(self, gathered: Tensor, capacity: int, group_of: Callable[[Tensor], Tensor]) -> GatheredMessages:
+    def unpack(
+        self, gathered: Tensor, capacity: int, group_of: Callable[[Tensor], Tensor]
+    ) -> GatheredMessages:
         """Valid entries of a [P, words] gathered tensor. `group_of(flat_indices)` gives quantizer groups."""
         counts = gathered[:, 0].tolist()
         at = 1
@@ -178,7 +185,9 @@ def exchange_rows(
         span_counts = [c[s] for c in counts]
         for rank, c in enumerate(span_counts):
             ids_all.append(gathered[rank, at : at + c].long())
-            vals_all.append(gathered[rank, at + m : at + m + c * d].contiguous().view(torch.float32).view(c, d))
+            vals_all.append(
+                gathered[rank, at + m : at + m + c * d].contiguous().view(torch.float32).view(c, d)
+            )
         at += m + m * d
         out.append(GatheredRows(rows=torch.cat(ids_all), values=torch.cat(vals_all), counts=span_counts))
     return out

@@ -28,7 +28,13 @@ from compression.partition import BufferPartition
 from compression.protocol import StepContext
 from compression.quantize import quantize
 from compression.sparse_allgather import GatheredMessages, SparseAllGather, all_gather_words
-from kernels import exact_threshold, sampled_threshold, scatter_add_decode, segmented_sampled_threshold, sparse_gather
+from kernels import (
+    exact_threshold,
+    sampled_threshold,
+    scatter_add_decode,
+    segmented_sampled_threshold,
+    sparse_gather,
+)
 
 FP32_BYTES = 4
 
@@ -81,7 +87,7 @@ class SparseRound:
 
 
 class ThresholdSparsifier:
-    """Runs sparse rounds with the options of an ExchangeConfig (threshold, estimator, capacity, quantization).
+    """Runs sparse rounds with an ExchangeConfig's options (threshold, estimator, capacity, quantization).
 
     Holds the sampler's random generator (its state is part of the method's checkpoint state).
     """
@@ -95,7 +101,7 @@ class ThresholdSparsifier:
 
     # -- state -----------------------------------------------------------------------------------------------
     def seed_for_rank(self, rank: int) -> None:
-        """Give every rank its own sampling offsets (called once, on the first round, unless state was loaded)."""
+        """Give every rank its own sampling offsets (once, on the first round, unless state was loaded)."""
         if self._seeded_for_rank is None:
             self.generator.manual_seed(self.config.sample_seed * 1_000_003 + rank)
             self._seeded_for_rank = rank
@@ -104,7 +110,7 @@ class ThresholdSparsifier:
         return {"generator": self.generator.get_state().clone(), "seeded_for_rank": self._seeded_for_rank}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"].clone())
+        self.generator.set_state(state["generator"].detach().to("cpu", torch.uint8).clone())
         self._seeded_for_rank = state["seeded_for_rank"]
 
     # -- one round -------------------------------------------------------------------------------------------
@@ -123,7 +129,9 @@ class ThresholdSparsifier:
         exact = self.config.threshold_estimator == "exact"
         offsets = partition.segment_offsets
         if density >= 1.0:
-            return torch.zeros(partition.num_segments if layer else (), dtype=torch.float32, device=acc.device)
+            return torch.zeros(
+                partition.num_segments if layer else (), dtype=torch.float32, device=acc.device
+            )
         if not layer:
             if exact:
                 return exact_threshold(acc, density)
@@ -139,7 +147,9 @@ class ThresholdSparsifier:
         n = acc.numel()
         rnd = SparseRound(partition=partition, rank=ctx.rank, density_target=density)
         if n == 0:
-            rnd.gathered = GatheredMessages(acc.new_zeros(0, dtype=torch.int64), acc.new_zeros(0), [0] * ctx.world_size)
+            rnd.gathered = GatheredMessages(
+                acc.new_zeros(0, dtype=torch.int64), acc.new_zeros(0), [0] * ctx.world_size
+            )
             return rnd
         wire = self.wire(partition)
         cap = self.capacity(density, n)
@@ -168,7 +178,9 @@ class ThresholdSparsifier:
         group_of = partition.flat_to_segment if layer else (lambda idx: torch.zeros_like(idx))
         rnd.gathered = wire.unpack(gathered, cap, group_of)
         rnd.bytes_sent = wire.payload_bytes(msg.count)
-        rnd.bytes_received = sum(wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != ctx.rank)
+        rnd.bytes_received = sum(
+            wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != ctx.rank
+        )
         return rnd
 
     def _run_dense(self, acc: Tensor, rnd: SparseRound, ctx: StepContext) -> SparseRound:

@@ -71,8 +71,10 @@ def backend_for(t: Tensor) -> str:
         return "torch"
     if mode == "triton":
         if not triton_available():
-            raise RuntimeError(f"NMT_KERNELS=triton but the Triton kernels do not import ({_TRITON_ERROR}); "
-                               "install triton (pip install 'triton>=3.6') or unset NMT_KERNELS")
+            raise RuntimeError(
+                f"NMT_KERNELS=triton but the Triton kernels do not import ({_TRITON_ERROR}); "
+                "install triton (pip install 'triton>=3.6') or unset NMT_KERNELS"
+            )
         return "triton"
     if mode != "auto":
         raise ValueError(f"NMT_KERNELS must be auto, torch or triton, got {mode!r}")
@@ -80,8 +82,9 @@ def backend_for(t: Tensor) -> str:
         return "torch"
     if triton_available():
         return "triton"
-    warnings.warn(f"CUDA tensor but Triton kernels unavailable ({_TRITON_ERROR}); using the torch path",
-                  stacklevel=3)
+    warnings.warn(
+        f"CUDA tensor but Triton kernels unavailable ({_TRITON_ERROR}); using the torch path", stacklevel=3
+    )
     return "torch"
 
 

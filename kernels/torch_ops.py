@@ -15,6 +15,7 @@ in the residual; ``inf`` is selected like any large value. Threshold estimators 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,10 +108,15 @@ def kth_largest(a: Tensor, k: int) -> Tensor:
     return a.kthvalue(m - k + 1).values
 
 
+@functools.cache
+def _min_positive_value(dtype: torch.dtype) -> float:
+    # Computed on CPU (nextafter is not implemented for every dtype on every device); exact as a float.
+    return float(torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)))
+
+
 def min_positive(dtype: torch.dtype, device: torch.device) -> Tensor:
     """Smallest positive value of ``dtype``: clamping tau to it makes ``|x| >= tau`` exclude exact zeros."""
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.nextafter(zero, torch.ones((), dtype=dtype, device=device))
+    return torch.full((), _min_positive_value(dtype), dtype=dtype, device=device)
 
 
 def validate_offsets(offsets: Tensor, n: int) -> Tensor:

@@ -8,10 +8,10 @@ which is fast at that size, so no selection kernel is written here.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-import torch
 
 SAMPLE_BLOCK = 1024
 
@@ -59,13 +59,36 @@ def gathered_abs(flat: Tensor, positions: Tensor) -> Tensor:
 
 
 AOT_SPECS = [
-    ("strided_abs_kernel", strided_abs_kernel,
-     {"x_ptr": "*fp32", "out_ptr": "*fp32", "start": "i32", "stride": "i32", "m": "i32", "BLOCK": "constexpr"},
-     {"BLOCK": SAMPLE_BLOCK}),
-    ("strided_abs_kernel[bf16,i64]", strided_abs_kernel,
-     {"x_ptr": "*bf16", "out_ptr": "*fp32", "start": "i64", "stride": "i64", "m": "i32", "BLOCK": "constexpr"},
-     {"BLOCK": SAMPLE_BLOCK}),
-    ("gathered_abs_kernel", gathered_abs_kernel,
-     {"x_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32", "m": "i32", "BLOCK": "constexpr"},
-     {"BLOCK": SAMPLE_BLOCK}),
+    (
+        "strided_abs_kernel",
+        strided_abs_kernel,
+        {
+            "x_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "start": "i32",
+            "stride": "i32",
+            "m": "i32",
+            "BLOCK": "constexpr",
+        },
+        {"BLOCK": SAMPLE_BLOCK},
+    ),
+    (
+        "strided_abs_kernel[bf16,i64]",
+        strided_abs_kernel,
+        {
+            "x_ptr": "*bf16",
+            "out_ptr": "*fp32",
+            "start": "i64",
+            "stride": "i64",
+            "m": "i32",
+            "BLOCK": "constexpr",
+        },
+        {"BLOCK": SAMPLE_BLOCK},
+    ),
+    (
+        "gathered_abs_kernel",
+        gathered_abs_kernel,
+        {"x_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32", "m": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": SAMPLE_BLOCK},
+    ),
 ]

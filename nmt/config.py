@@ -84,7 +84,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.lr=3e-4` -> (["train", "lr"], 0.0003); the value is parsed as YAML (numbers, lists, booleans)."""
+    """`train.lr=3e-4` -> (["train", "lr"], 0.0003); the value is parsed as YAML."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key.path=value, e.g. train.lr=3e-4")
     key, raw = text.split("=", 1)

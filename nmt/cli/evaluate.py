@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nmt-eval: error: {err}", file=sys.stderr)
         return 2
     if len(hyps) != len(refs):
-        print(f"nmt-eval: error: {args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}", file=sys.stderr)
+        print(
+            f"nmt-eval: error: {args.hyp} has {len(hyps)} lines but {args.ref} has {len(refs)}",
+            file=sys.stderr,
+        )
         return 2
     scores = score_corpus(hyps, refs)
     if args.json:

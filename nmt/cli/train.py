@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=3e-4")
     parser.add_argument("--workers", type=int, default=None,
                         help="local worker processes (default: train.workers); ignored under torchrun")
-    parser.add_argument("--dump-config", action="store_true", help="print the effective configuration and exit")
+    parser.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     return parser
 
 
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     workers = args.workers if args.workers is not None else config.train.workers
     if workers < 1:
         return _fail(f"--workers must be >= 1, got {workers}")
+    if config.exchange.method == "dgs":  # asynchronous: N workers + 1 parameter server (docs/dgs.md)
+        from nmt.training.async_trainer import main_async
+
+        return main_async(config, workers, _without_workers_flag(argv))
     if workers > 1 and not under_launcher():
         child_argv = _without_workers_flag(argv)
         return launch_local_workers(workers, child_argv)

@@ -58,14 +58,19 @@ def _write(out: TextIO, translator: Translator, chunk: list[str], first_index: i
     out.flush()
 
 
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    """One line on stderr and exit status 2 (argparse's `error` would print the whole usage first)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     for path in args.model:
         if not os.path.isdir(path):
-            parser.error(f"--model {path}: no such checkpoint directory")
+            _fail(parser, f"--model {path}: no such checkpoint directory")
     if args.input and not os.path.isfile(args.input):
-        parser.error(f"--input {args.input}: no such file")
+        _fail(parser, f"--input {args.input}: no such file")
     overrides = {
         "beam_size": args.beam_size,
         "max_len_factor": args.max_len_factor,
@@ -80,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.beam_size if args.beam_size is not None else max(translator.cfg.beam_size, args.n_best)
             )
             translator.cfg = apply_overrides(translator.cfg, {"n_best": args.n_best, "beam_size": beam})
-    except ValueError as error:
-        parser.error(str(error))
+    except (ValueError, FileNotFoundError) as error:
+        _fail(parser, str(error))
     nbest = args.n_best is not None
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout

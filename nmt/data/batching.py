@@ -76,23 +76,25 @@ class _Side:
         self, idx: torch.Tensor, width: int, shift: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Ids of rows `idx` at positions 0..width-1 moved right by `shift`; also positions and lengths."""
-        lens = self.lens[idx].unsqueeze(1)
+        # index_select, not tensor[idx]: advanced indexing goes multi-threaded and is 10-100x slower when
+        # the cores are busy (measured with two ranks on two cores).
+        lens = self.lens.index_select(0, idx).unsqueeze(1)
         pos = torch.arange(width).unsqueeze(0)
-        at = (self.starts[idx].unsqueeze(1) + pos - shift).clamp(0, self.flat.numel() - 1)
-        return self.flat[at].long(), pos, lens
+        at = (self.starts.index_select(0, idx).unsqueeze(1) + pos - shift).clamp(0, self.flat.numel() - 1)
+        return self.flat.index_select(0, at.view(-1)).view(at.shape).long(), pos, lens
 
 
 def _make_batch(src: _Side, tgt: _Side, idx: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> Batch:
-    s_width = int(src.lens[idx].max()) + 1
-    ids, pos, lens = src.gather(idx, s_width, 0)
+    src_lens, tgt_lens = src.lens.index_select(0, idx), tgt.lens.index_select(0, idx)
+    ids, pos, lens = src.gather(idx, int(src_lens.max()) + 1, 0)
     src_t = torch.where(pos < lens, ids, torch.where(pos == lens, eos_id, pad_id))
-    t_width = int(tgt.lens[idx].max()) + 1
+    t_width = int(tgt_lens.max()) + 1
     ids, pos, lens = tgt.gather(idx, t_width, 0)
     tgt_out = torch.where(pos < lens, ids, torch.where(pos == lens, eos_id, pad_id))
     ids, pos, lens = tgt.gather(idx, t_width, 1)
     tgt_in = torch.where(pos == 0, bos_id, torch.where(pos <= lens, ids, pad_id))
     n = idx.numel()
-    return Batch(src_t, tgt_in, tgt_out, int(src.lens[idx].sum()) + n, int(tgt.lens[idx].sum()) + n)
+    return Batch(src_t, tgt_in, tgt_out, int(src_lens.sum()) + n, int(tgt_lens.sum()) + n)
 
 
 def _generator(seed: int, epoch: int, chunk: int) -> torch.Generator:
@@ -121,9 +123,9 @@ def plan_batches(
     if n == 0:
         return []
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    key = tgt_lens[order] * (int(src_lens.max()) + 1) + src_lens[order]
-    order = order[torch.sort(key, stable=True).indices]
-    widths = torch.maximum(src_lens, tgt_lens)[order].tolist()
+    key = tgt_lens.index_select(0, order) * (int(src_lens.max()) + 1) + src_lens.index_select(0, order)
+    order = order.index_select(0, torch.sort(key, stable=True).indices)
+    widths = torch.maximum(src_lens, tgt_lens).index_select(0, order).tolist()
     bounds = [0]
     widest = 0
     for i, w in enumerate(widths):
@@ -263,34 +265,27 @@ class TrainBatches:
         while True:
             yield from self._from_position()
 
-    def _chunks(self, start: int) -> Iterator[tuple[int, _Chunk, bool]]:
-        """(index, encoded chunk, is_last) for chunks start, start+1, ... of the corpus."""
+    def _chunks(self, start: int) -> Iterator[tuple[int, _Chunk]]:
+        """(index, encoded chunk) for chunks start, start+1, ... of the corpus."""
         if self._whole is not None:
             if start == 0:
-                yield 0, self._whole, True
+                yield 0, self._whole
             return
-        size = self.cfg.buffer_sentences
         pairs_it = iter_parallel(self.src_path, self.tgt_path)
-        pairs = list(islice(pairs_it, size))
+        first: _Chunk | None = None
         index = 0
-        while pairs:
-            following = list(islice(pairs_it, size)) if len(pairs) == size else []
+        while pairs := list(islice(pairs_it, self.cfg.buffer_sentences)):
             if index >= start:
                 chunk = _encode_chunk(pairs, self.src_vocab, self.tgt_vocab, self.cfg.max_len)
-                if index == 0 and not following:
-                    self._whole = chunk
-                yield index, chunk, not following
-            pairs, index = following, index + 1
+                first = chunk if index == 0 else None
+                yield index, chunk
+            index += 1
+        if first is not None and index == 1:
+            self._whole = first  # the corpus is one chunk: keep it encoded for the next epochs
 
-    def _from_position(self) -> Iterator[Batch]:
-        """Batches from the current position to the end of its epoch; returns early on load_state_dict."""
-        generation = self._generation
-        epoch, start_chunk, start_batch = self._epoch, self._chunk, self._batch
-        full_epoch = start_chunk == 0 and start_batch == 0
-        if full_epoch:
-            self._reset_counts()
-        handed_out = 0
-        for index, chunk, is_last in self._chunks(start_chunk):
+    def _planned(self, epoch: int, start: int) -> Iterator[tuple[int, _Chunk, list[torch.Tensor]]]:
+        """(index, chunk, this rank's batches) for each chunk from `start` on with batches for this rank."""
+        for index, chunk in self._chunks(start):
             self.skipped_empty += chunk.empty
             self.skipped_too_long += chunk.too_long
             rng = _generator(self.seed, epoch, index) if self.cfg.shuffle else None
@@ -300,21 +295,39 @@ class TrainBatches:
             usable = len(batches) - len(batches) % self.world_size
             self.dropped += sum(b.numel() for b in batches[usable:])
             self.pairs += sum(b.numel() for b in batches[:usable])
-            mine = batches[self.rank : usable : self.world_size]
-            first = start_batch if index == start_chunk else 0
-            for i in range(first, len(mine)):
+            if usable:
+                yield index, chunk, batches[self.rank : usable : self.world_size]
+
+    def _from_position(self) -> Iterator[Batch]:
+        """Batches from the current position to the end of its epoch; returns early on load_state_dict."""
+        generation = self._generation
+        epoch, start_chunk, start_batch = self._epoch, self._chunk, self._batch
+        full_epoch = start_chunk == 0 and start_batch == 0
+        if full_epoch:
+            self._reset_counts()
+        handed_out = 0
+        planned = self._planned(epoch, start_chunk)
+        current = next(planned, None)
+        while current is not None:
+            index, chunk, mine = current
+            following: tuple | None | bool = False  # False: not looked at yet
+            for i in range(start_batch if index == start_chunk else 0, len(mine)):
                 batch = _make_batch(chunk.src, chunk.tgt, mine[i], Vocab.pad_id, Vocab.bos_id, Vocab.eos_id)
-                # The position always names the next batch, so a state_dict taken now resumes after this one.
+                # The position always names the next batch, so a state_dict taken now resumes right after this
+                # one, and `epoch` already says which epoch comes next when this was the epoch's last batch.
                 if i + 1 < len(mine):
                     self._chunk, self._batch = index, i + 1
-                elif is_last:
-                    self._epoch, self._chunk, self._batch = epoch + 1, 0, 0
                 else:
-                    self._chunk, self._batch = index + 1, 0
+                    following = next(planned, None)  # reads and plans the next chunk before handing this out
+                    if following is None:
+                        self._epoch, self._chunk, self._batch = epoch + 1, 0, 0
+                    else:
+                        self._chunk, self._batch = following[0], 0
                 handed_out += 1
                 yield batch
                 if self._generation != generation:
                     return
+            current = next(planned, None) if following is False else following
         if full_epoch and handed_out == 0:
             raise CorpusError(
                 f"{self.src_path}: no training batches for rank {self.rank} of {self.world_size} in epoch "

@@ -52,3 +52,15 @@ class DataConfig:
             raise ValueError(f"data.vocab.size must be >= 16, got {self.vocab.size}")
         if self.vocab.type not in ("unigram", "bpe"):
             raise ValueError(f"data.vocab.type must be 'unigram' or 'bpe', got {self.vocab.type!r}")
+        if not 0.98 <= self.vocab.character_coverage <= 1.0:  # sentencepiece rejects anything else
+            raise ValueError(
+                f"data.vocab.character_coverage must be in [0.98, 1.0] (1.0 keeps every character), "
+                f"got {self.vocab.character_coverage}"
+            )
+        if self.vocab.train_sentences < 1:
+            raise ValueError(f"data.vocab.train_sentences must be >= 1, got {self.vocab.train_sentences}")
+        if self.vocab.tgt_model and self.vocab.tgt_model == self.vocab.model:
+            raise ValueError(
+                "data.vocab.tgt_model names the same file as data.vocab.model; leave tgt_model empty for a "
+                "joint vocabulary"
+            )

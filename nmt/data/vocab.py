@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
-class VocabError(ValueError):
-    """A vocabulary model that cannot be used; the message names the file and what to do."""
+class VocabError(CorpusError):
+    """A vocabulary model that cannot be used; the message names the file and what to do.
+
+    A `CorpusError`, so that command-line tools report both kinds of data problem as one line.
+    """
 
 
 class Vocab:

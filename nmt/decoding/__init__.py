@@ -1,1 +1,1 @@
-"""Decoding: batched beam search over any model with the `nmt.models.base` interface, ensembles, Translator."""
+"""Decoding: batched beam search over any `nmt.models.base` model, ensembles, the Translator API."""

@@ -16,6 +16,7 @@ import torch
 from nmt.decoding.beam import beam_search
 from nmt.decoding.config import DecodeConfig
 from nmt.models.base import Seq2Seq
+from nmt.models.build import build_model
 
 
 class Vocab(Protocol):
@@ -75,7 +76,6 @@ class Translator:
     ) -> Translator:
         """Load one model (or an ensemble) from checkpoint directories; decoding options come from the
         first checkpoint's `decode:` config, with `decode_overrides` (None values ignored) on top."""
-        from nmt.models.build import build_model
         from nmt.training.checkpoint import load_inference_bundle  # the lead's checkpoint format
 
         if not paths:
@@ -93,7 +93,7 @@ class Translator:
                     )
         src_vocab, tgt_vocab = first.src_vocab, first.tgt_vocab
         models = []
-        for bundle in bundles:
+        for path, bundle in zip(paths, bundles):
             model = build_model(
                 bundle.config.model,
                 len(src_vocab),
@@ -102,7 +102,10 @@ class Translator:
                 bos_id=tgt_vocab.bos_id,
                 eos_id=tgt_vocab.eos_id,
             )
-            model.load_state_dict(bundle.state_dict)
+            try:
+                model.load_state_dict(bundle.state_dict)
+            except RuntimeError as error:
+                raise ValueError(f"{path}: the weights do not fit the model: config ({error})") from None
             model.eval()
             models.append(model)
         cfg = apply_overrides(first.config.decode, decode_overrides)

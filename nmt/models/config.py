@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class ModelConfig:
     arch: str = "transformer"  # transformer | rnn
-    preset: str = ""  # transformer: tiny | base | big ; explicit fields below override the preset
+    preset: str = ""  # transformer: tiny | base | big ; rnn: s2s ; explicit fields below override the preset
     d_model: int = 512
     ffn_dim: int = 2048
     heads: int = 8
@@ -61,4 +61,6 @@ PRESETS: dict[str, dict[str, object]] = {
         "decoder_layers": 6,
         "dropout": 0.3,
     },
+    # Marian's `--type s2s` defaults: a one-layer bidirectional GRU encoder and a conditional GRU decoder.
+    "s2s": {"arch": "rnn", "rnn_embed": 512, "rnn_hidden": 1024, "encoder_layers": 1, "decoder_layers": 1},
 }

@@ -114,7 +114,7 @@ def launch_local_workers(n_workers: int, argv: list[str], grace_s: float = 10.0)
                     if code not in (None, 0):
                         failed = (rank, code)
                         print(
-                            f"nmt-train: worker rank {rank} exited with code {code}; stopping the other workers",
+                            f"nmt-train: worker rank {rank} exited with code {code}; stopping the others",
                             file=sys.stderr,
                             flush=True,
                         )

@@ -49,13 +49,13 @@ def human_bytes(n: float) -> str:
 
 
 class Progress:
-    """tqdm bar on rank 0 with loss, tok/s and bytes/step; plain log lines when not on a terminal."""
+    """tqdm bar on rank 0 with loss, tok/s and bytes/step; rank 0 always prints messages."""
 
-    def __init__(self, enabled: bool, total: int | None, initial: int) -> None:
-        self.enabled = enabled
+    def __init__(self, is_main: bool, bar: bool, total: int | None, initial: int) -> None:
+        self.enabled = is_main
         self.bar = (
             tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
-            if enabled
+            if is_main and bar
             else None
         )
 
@@ -63,11 +63,15 @@ class Progress:
         if self.bar is None:
             return
         self.bar.update(steps)
-        self.bar.set_postfix_str(f"loss={loss:.3f} tok/s={tok_per_s:,.0f} sent/step={human_bytes(bytes_per_step)}")
+        self.bar.set_postfix_str(
+            f"loss={loss:.3f} tok/s={tok_per_s:,.0f} sent/step={human_bytes(bytes_per_step)}"
+        )
 
     def write(self, message: str) -> None:
-        if self.enabled:
+        if self.bar is not None:
             tqdm.write(message, file=sys.stderr)
+        elif self.enabled:
+            print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

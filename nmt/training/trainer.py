@@ -124,14 +124,19 @@ class Trainer:
         params = [p for _, p in self.flat.named]
         if train.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
-                params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+                params,
+                lr=train.lr,
+                betas=tuple(train.adam_betas),
+                eps=train.adam_eps,
                 weight_decay=train.weight_decay,
             )
         else:
             self.optimizer = torch.optim.SGD(
                 params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
             )
-        schedule = inverse_sqrt(train.warmup_steps) if train.lr_schedule == "inverse_sqrt" else (lambda s: 1.0)
+        schedule = (
+            inverse_sqrt(train.warmup_steps) if train.lr_schedule == "inverse_sqrt" else (lambda s: 1.0)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.exchange = build_exchange(config.exchange)
         self.ema = self.flat.params.detach().clone() if train.ema_decay > 0 else None
@@ -144,11 +149,19 @@ class Trainer:
             if train.precision == "fp16":
                 self.scaler = torch.amp.GradScaler("cuda")
         elif train.precision != "fp32":
-            raise RuntimeError(f"train.precision={train.precision} needs CUDA; use train.precision=fp32 on CPU")
+            raise RuntimeError(
+                f"train.precision={train.precision} needs CUDA; use train.precision=fp32 on CPU"
+            )
 
         self.batches = TrainBatches(
-            data.train.src, data.train.tgt, src_vocab, tgt_vocab, data,
-            seed=config.seed, rank=info.rank, world_size=info.world_size,
+            data.train.src,
+            data.train.tgt,
+            src_vocab,
+            tgt_vocab,
+            data,
+            seed=config.seed,
+            rank=info.rank,
+            world_size=info.world_size,
         )
         self.state = RunState()
         self.writer = CheckpointWriter(
@@ -201,8 +214,14 @@ class Trainer:
 
         # Global token count, loss and stop vote in one tiny collective: the average over ranks of
         # world_size * grad / global_tokens is exactly the per-token gradient of the union of the batches.
-        control = torch.stack([torch.tensor(float(tokens), device=self.device), loss_sum, nll_sum,
-                               torch.tensor(float(stop_vote), device=self.device)])
+        control = torch.stack(
+            [
+                torch.tensor(float(tokens), device=self.device),
+                loss_sum,
+                nll_sum,
+                torch.tensor(float(stop_vote), device=self.device),
+            ]
+        )
         if self.info.world_size > 1:
             dist.all_reduce(control, group=self.group)
         global_tokens, global_loss, global_nll, votes = control.tolist()
@@ -240,7 +259,7 @@ class Trainer:
         return StepResult(global_loss, global_nll, int(global_tokens), votes > 0, stats, grad_norm)
 
     def _update_scaler(self, found_inf: bool) -> None:
-        # GradScaler.update needs per-optimizer inf records; we unscaled by hand, so adjust the scale directly.
+        # GradScaler.update needs per-optimizer inf records; we unscaled by hand, so set the scale directly.
         assert self.scaler is not None
         scale = self.scaler.get_scale()
         self.scaler.update(scale * 0.5 if found_inf else scale)
@@ -259,16 +278,25 @@ class Trainer:
     def fit(self) -> RunState:
         """Train until a limit is reached; validate, checkpoint and log on the way."""
         train, valid = self.config.train, self.config.valid
-        progress = Progress(self.info.is_main and train.progress, train.max_steps or None, self.state.step)
+        progress = Progress(self.info.is_main, train.progress, train.max_steps or None, self.state.step)
         if self.info.is_main:
             n_params = count_parameters(self.model)
             progress.write(
-                f"nmt-train: {n_params:,} parameters, {self.info.world_size} worker(s), device {self.device}, "
+                f"nmt-train: {n_params:,} parameters, {self.info.world_size} worker(s), "
+                f"device {self.device}, "
                 f"exchange {self.config.exchange.method}"
                 + (f", resumed from {self.resumed_from.name}" if self.resumed_from else "")
             )
+        self.synchronize()  # methods with delayed synchronisation (sbc) record their starting point here
         batch_iter = iter(self.batches)
-        interval = {"loss": 0.0, "nll": 0.0, "tokens": 0, "bytes": 0, "steps": 0, "start": time.perf_counter()}
+        interval = {
+            "loss": 0.0,
+            "nll": 0.0,
+            "tokens": 0,
+            "bytes": 0,
+            "steps": 0,
+            "start": time.perf_counter(),
+        }
         start = time.perf_counter() - self.state.wall_s
         stop = False
         while not stop:
@@ -307,8 +335,14 @@ class Trainer:
                 }
                 self.metrics.write(row)
                 progress.update(interval["steps"], row["loss"], row["tok_per_s"], row["bytes_per_step"])
-                interval = {"loss": 0.0, "nll": 0.0, "tokens": 0, "bytes": 0, "steps": 0,
-                            "start": time.perf_counter()}
+                interval = {
+                    "loss": 0.0,
+                    "nll": 0.0,
+                    "tokens": 0,
+                    "bytes": 0,
+                    "steps": 0,
+                    "start": time.perf_counter(),
+                }
 
             due_valid = valid.every > 0 and step % valid.every == 0
             due_save = train.save_every > 0 and step % train.save_every == 0
@@ -370,7 +404,9 @@ class Trainer:
             batch = batch.to(self.device)
             with self.autocast:
                 logits = self.model(batch.src, batch.tgt_in)
-            _, batch_nll, n_tokens = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.0, self.model.pad_id)
+            _, batch_nll, n_tokens = label_smoothed_cross_entropy(
+                logits, batch.tgt_out, 0.0, self.model.pad_id
+            )
             nll += torch.tensor([float(batch_nll), float(n_tokens)], dtype=torch.float64)
         if self.info.world_size > 1:
             dist.all_reduce(nll, group=self.group)
@@ -392,8 +428,9 @@ class Trainer:
         """Every rank translates every world_size-th sentence; rank 0 gets all translations back in order."""
         decode = self.config.decode
         if self.config.valid.beam_size:
-            decode = type(decode)(**{**decode.__dict__, "beam_size": self.config.valid.beam_size,
-                                     "n_best": 1})
+            decode = type(decode)(
+                **{**decode.__dict__, "beam_size": self.config.valid.beam_size, "n_best": 1}
+            )
         self.model.eval()
         translator = Translator([self.model], self.vocabs[0], self.vocabs[1], decode, device=self.device)
         mine = list(range(self.info.rank, len(sentences), self.info.world_size))
@@ -408,24 +445,47 @@ class Trainer:
             result[i] = text
         return result
 
+    def synchronize(self) -> None:
+        """Make replicas identical (methods whose replicas drift average them); bytes are counted.
+
+        When parameters were averaged, the exponential smoothing is averaged too: by linearity that is
+        exactly the smoothing of the averaged trajectory, so every rank validates and saves the same model.
+        """
+        stats = self.exchange.synchronize_params(self.flat.params, self.context())
+        if stats.bytes_sent > 0 and self.ema is not None and self.info.world_size > 1:
+            dist.all_reduce(self.ema, group=self.group)
+            self.ema.div_(self.info.world_size)
+            stats.bytes_sent += self.ema.numel() * self.ema.element_size()
+        self.state.bytes_sent += stats.bytes_sent
+        self.state.bytes_received += stats.bytes_received
+
     def validate(self, progress: Progress) -> tuple[bool, bool]:
         """Dev loss, BLEU and chrF on the synchronised (and smoothed) model; returns (improved, stop)."""
-        stats = self.exchange.synchronize_params(self.flat.params, self.context())
-        self.state.bytes_sent += stats.bytes_sent
+        self.synchronize()
         valid = self.config.valid
         started = time.perf_counter()
         with self._with_eval_weights():
             loss, n_tokens = self.dev_loss()
-            row: dict[str, Any] = {"step": self.state.step, "kind": "valid", "loss": loss,
-                                   "ppl": math.exp(min(loss, 50)), "tokens": n_tokens,
-                                   "wall_s": round(self.state.wall_s, 3), "bytes_sent": self.state.bytes_sent}
+            row: dict[str, Any] = {
+                "step": self.state.step,
+                "kind": "valid",
+                "loss": loss,
+                "ppl": math.exp(min(loss, 50)),
+                "tokens": n_tokens,
+                "wall_s": round(self.state.wall_s, 3),
+                "bytes_sent": self.state.bytes_sent,
+            }
             score = -loss
             if valid.translate:
                 src, refs = self._dev_lines()
                 hyps = self.translate_sharded(src)
                 scores = score_corpus(hyps, refs)
-                row.update(bleu=scores.bleu, chrf=scores.chrf, bleu_signature=scores.bleu_signature,
-                           chrf_signature=scores.chrf_signature)
+                row.update(
+                    bleu=scores.bleu,
+                    chrf=scores.chrf,
+                    bleu_signature=scores.bleu_signature,
+                    chrf_signature=scores.chrf_signature,
+                )
                 score = scores.bleu
         row["valid_s"] = round(time.perf_counter() - started, 3)
         improved = score > self.state.best_bleu
@@ -436,7 +496,8 @@ class Trainer:
         self.metrics.write(row)
         if "bleu" in row:
             progress.write(
-                f"[valid] step {self.state.step}: loss {loss:.3f} BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f}"
+                f"[valid] step {self.state.step}: loss {loss:.3f} "
+                f"BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f}"
                 f"{' (best)' if improved else ''}  {row['bleu_signature']}"
             )
         else:
@@ -462,10 +523,20 @@ class Trainer:
         if self.info.is_main:
             scores = score_corpus(hyps, refs)
             (self.model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-            self.metrics.write({"step": step, "kind": "test", "bleu": scores.bleu, "chrf": scores.chrf,
-                                "bleu_signature": scores.bleu_signature, "sentences": len(src)})
-            progress.write(f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
-                           f"  {scores.bleu_signature}")
+            self.metrics.write(
+                {
+                    "step": step,
+                    "kind": "test",
+                    "bleu": scores.bleu,
+                    "chrf": scores.chrf,
+                    "bleu_signature": scores.bleu_signature,
+                    "sentences": len(src),
+                }
+            )
+            progress.write(
+                f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
+                f"  {scores.bleu_signature}"
+            )
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -486,15 +557,26 @@ class Trainer:
 
     def save(self) -> Path:
         """Synchronise replicas, then write a checkpoint of every rank's state (atomic)."""
-        stats = self.exchange.synchronize_params(self.flat.params, self.context())
-        self.state.bytes_sent += stats.bytes_sent
+        self.synchronize()
         ema_state = None
         if self.ema is not None:
-            ema_state = {span.name: self.ema[span.offset: span.end].view(span.shape) for span in self.flat.layout}
-        meta = {"best_bleu": self.state.best_bleu, "wall_s": self.state.wall_s,
-                "exchange": self.config.exchange.method}
-        path = self.writer.save(self.state.step, self.config, self.vocabs, self.model.state_dict(), ema_state,
-                                self._rank_state(), meta)
+            ema_state = {
+                span.name: self.ema[span.offset : span.end].view(span.shape) for span in self.flat.layout
+            }
+        meta = {
+            "best_bleu": self.state.best_bleu,
+            "wall_s": self.state.wall_s,
+            "exchange": self.config.exchange.method,
+        }
+        path = self.writer.save(
+            self.state.step,
+            self.config,
+            self.vocabs,
+            self.model.state_dict(),
+            ema_state,
+            self._rank_state(),
+            meta,
+        )
         return path
 
     def _load(self, ckpt: Path) -> None:
@@ -504,7 +586,7 @@ class Trainer:
             ema = weights.get("ema")
             if ema:
                 for span in self.flat.layout:
-                    self.ema[span.offset: span.end].copy_(ema[span.name].reshape(-1))
+                    self.ema[span.offset : span.end].copy_(ema[span.name].reshape(-1))
             else:
                 self.ema.copy_(self.flat.params)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -518,4 +600,3 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-

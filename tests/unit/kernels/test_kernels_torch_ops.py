@@ -151,8 +151,13 @@ def test_segmented_threshold_sample_plan():
 def test_segmented_threshold_keeps_about_density_per_segment():
     g = torch.Generator().manual_seed(7)
     offsets = torch.tensor([0, 50_000, 60_000, 200_000])
-    x = torch.cat([torch.randn(50_000, generator=g) * 100, torch.randn(10_000, generator=g),
-                   torch.randn(140_000, generator=g) * 0.01])
+    x = torch.cat(
+        [
+            torch.randn(50_000, generator=g) * 100,
+            torch.randn(10_000, generator=g),
+            torch.randn(140_000, generator=g) * 0.01,
+        ]
+    )
     tau = kernels.segmented_sampled_threshold(x, offsets, 0.02, sample_size=20_000, generator=g)
     for i in range(3):
         seg = x[offsets[i] : offsets[i + 1]]

@@ -1,4 +1,4 @@
-"""Reading parallel text: plain and gzip, and a clear error (file, line, what to do) for each kind of bad input."""
+"""Reading parallel text: plain and gzip, and a clear error (file, line, what to do) for each bad input."""
 
 import gzip
 from pathlib import Path
@@ -30,7 +30,9 @@ def test_plain_and_gzip_read_the_same_pairs(tmp_path, suffix):
 
 
 def test_only_the_newline_is_stripped_and_lines_split_on_newline_only(tmp_path):
-    path = write(tmp_path / "x.txt", "\ufeffbom line\r\nkeeps\rcarriage\u2028and separators\nno final newline".encode())
+    path = write(
+        tmp_path / "x.txt", "\ufeffbom line\r\nkeeps\rcarriage\u2028and separators\nno final newline".encode()
+    )
     assert read_lines(path) == ["bom line", "keeps\rcarriage\u2028and separators", "no final newline"]
 
 

@@ -1,5 +1,6 @@
-"""Sentencepiece vocabularies: trained on first use, reused afterwards, fixed special ids, clear load errors."""
+"""Sentencepiece vocabularies: trained on first use, reused afterwards, fixed special ids, clear errors."""
 
+import multiprocessing
 import pickle
 import random
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
+import nmt.data.vocab
 from nmt.data.config import VocabConfig
 from nmt.data.vocab import Vocab, VocabError, load_or_train_vocabs, train_sentencepiece
 
@@ -87,7 +89,9 @@ def test_training_samples_deterministically(tmp_path):
     cfg = small(train_sentences=80, type="bpe")
     a = train_sentencepiece([src, tgt], tmp_path / "a.model", cfg, seed=3)
     b = train_sentencepiece([src, tgt], tmp_path / "b.model", cfg, seed=3)
-    pieces = [[(v.sp.id_to_piece(i), v.sp.get_score(i)) for i in range(len(v))] for v in map(Vocab.load, (a, b))]
+    pieces = [
+        [(v.sp.id_to_piece(i), v.sp.get_score(i)) for i in range(len(v))] for v in map(Vocab.load, (a, b))
+    ]
     assert pieces[0] == pieces[1]
 
 
@@ -114,7 +118,36 @@ def test_load_something_that_is_not_a_model(tmp_path):
 def test_load_model_with_other_special_ids(tmp_path):
     src, _ = corpus(tmp_path)
     spm.SentencePieceTrainer.train(
-        input=str(src), model_prefix=str(tmp_path / "default"), vocab_size=40, hard_vocab_limit=False, minloglevel=2
+        input=str(src),
+        model_prefix=str(tmp_path / "default"),
+        vocab_size=40,
+        hard_vocab_limit=False,
+        minloglevel=2,
     )
-    with pytest.raises(VocabError, match=r"default\.model: special ids .* are \(-1, 0, 1, 2\), expected \(0, 1, 2, 3\)"):
+    with pytest.raises(
+        VocabError, match=r"default\.model: special ids .* are \(-1, 0, 1, 2\), expected \(0, 1, 2, 3\)"
+    ):
         Vocab.load(tmp_path / "default.model")
+
+
+def _load_in_worker(args: tuple[Path, Path, Path]) -> int:
+    src, tgt, out = args
+    vocab, _ = load_or_train_vocabs(small(), str(src), str(tgt), out)
+    return len(vocab)
+
+
+def test_concurrent_local_workers_train_only_once(tmp_path, monkeypatch):
+    src, tgt = corpus(tmp_path)
+    log = tmp_path / "trained.log"
+    real = nmt.data.vocab.train_sentencepiece
+
+    def counting(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write("trained\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nmt.data.vocab, "train_sentencepiece", counting)
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        sizes = pool.map(_load_in_worker, [(src, tgt, tmp_path / "m")] * 3)
+    assert len(set(sizes)) == 1
+    assert log.read_text() == "trained\n"

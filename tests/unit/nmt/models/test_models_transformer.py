@@ -15,6 +15,15 @@ from nmt.models.loss import label_smoothed_cross_entropy
 PAD, BOS, EOS = 0, 2, 3
 
 
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny tensors: threads only add contention on the shared CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(**overrides) -> ModelConfig:
     fields = dict(d_model=16, ffn_dim=32, heads=2, encoder_layers=2, decoder_layers=2, dropout=0.0)
     fields.update(overrides)

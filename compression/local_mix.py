@@ -1,0 +1,70 @@
+"""Global sparse + local dense gradients (Aji, Heafield & Bogoychev 2019): gradient dropping that never drops
+a rank's own gradient.
+
+Why: dropping 99% of the gradient hurts Transformers badly; each rank still has its own full gradient at no
+network cost, so it applies that densely and adds only the *other* ranks' sparse messages. Replicas then
+apply different updates and drift, so parameters are averaged every `average_every` steps.
+
+Per rank i, on the sparse part (L_i = local summed gradient, S_j = rank j's message, same round as dropping):
+    replace (default): G_i = (1/P) (L_i - S_i + sum_j S_j) = (1/P) (L_i + sum_{j != i} S_j)
+    sum:               G_i = (1/P) (L_i + sum_j S_j)       (own large entries counted twice, as in the code)
+Scaling: the authors sum over nodes (Marian ce-sum); we divide by P so that at density 1, "replace" is exactly
+the dense average (1/P) sum_j L_j. Dense vectors and embedding rows travel losslessly (G = rank average).
+Residual: e_i = L_i + e_i - S_i as in dropping; own entries not sent are applied locally now *and* stay in
+the residual, to be sent to the other ranks later (the authors' code does the same).
+
+Parameter averaging: after optimizer steps average_every, 2*average_every, ... (counted by this object) and in
+synchronize_params (before every validation and checkpoint) when any step happened since the last average.
+Adam moments are NOT averaged (as in the authors' code; compression cannot reach the optimizer): each rank's
+moments follow its own gradients G_i, which differ from the others' only by L_i - mean_j L_j on the
+sparse part.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from compression.config import ExchangeConfig
+from compression.dense import average_parameters
+from compression.dropping import ResidualState, reduce_with_residual
+from compression.protocol import ExchangeStats, StepContext
+from compression.registry import register
+
+
+@register("local_mix")
+class LocalMix:
+    """Global sparse + local dense gradients with periodic parameter averaging. Options (exchange.*): those of
+    dropping, plus local_mode (sum | replace) and average_every."""
+
+    def __init__(self, config: ExchangeConfig | None = None) -> None:
+        self.config = config or ExchangeConfig(method="local_mix")
+        self.config.validate()
+        self.state = ResidualState(self.config, embedding_rows=self.config.embedding_rows)
+        self.steps_since_average = 0
+
+    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+        return reduce_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mode)
+
+    def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
+        self.steps_since_average += 1
+        if self.state.step > 0 and self.state.step % self.config.average_every == 0:
+            return self._average(flat_params, ctx)
+        return ExchangeStats()
+
+    def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
+        if self.steps_since_average == 0:
+            return ExchangeStats()  # replicas are identical already (every rank's counter agrees)
+        return self._average(flat_params, ctx)
+
+    def _average(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
+        stats = average_parameters(flat_params, ctx)
+        self.steps_since_average = 0
+        stats.extra["bytes_param_average"] = float(stats.bytes_sent)
+        return stats
+
+    def state_dict(self) -> dict:
+        return {**self.state.state_dict(), "steps_since_average": self.steps_since_average}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+        self.steps_since_average = int(state["steps_since_average"])

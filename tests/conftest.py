@@ -1,0 +1,36 @@
+"""Shared fixtures: the synthetic reverse corpus and a config writer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_corpus import tiny_config_dict, write_reverse_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reverse_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_reverse_corpus(tmp_path_factory.mktemp("reverse"))
+
+
+@pytest.fixture
+def write_config(tmp_path: Path, reverse_corpus: Path):
+    """write_config(**train_overrides, _extra={section: {...}}) -> path of a reverse-task recipe."""
+
+    def write(name: str = "cfg.yml", _extra: dict | None = None, **train: object) -> Path:
+        tree = tiny_config_dict(reverse_corpus, tmp_path / "model", **train)
+        for section, values in (_extra or {}).items():
+            if isinstance(values, dict) and isinstance(tree.get(section), dict):
+                tree[section].update(values)
+            else:
+                tree[section] = values
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(tree), encoding="utf-8")
+        return path
+
+    return write

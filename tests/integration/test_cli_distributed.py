@@ -1,0 +1,133 @@
+"""Multi-process training through the real CLI with gloo: local launcher, torchrun, resume, dead worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_helpers import ROOT, metrics, run_cli, train_losses
+
+
+def test_two_workers_train_and_resume_exactly(write_config, tmp_path):
+    extra = {"valid": {"every": 10, "beam_size": 1, "test_at_end": False}}
+    full = write_config("full.yml", _extra=extra, max_steps=20, log_every=5)
+    done = run_cli("nmt.cli.train", "--config", str(full), "--workers", "2", f"model_dir={tmp_path / 'full'}")
+    assert done.returncode == 0, done.stderr
+    rows = metrics(tmp_path / "full")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    # dense exchange: every step sends the whole flat gradient (fp32) and the count is cumulative
+    per_step = train_rows[0]["bytes_per_step"]
+    assert per_step > 0 and train_rows[-1]["bytes_sent"] == pytest.approx(per_step * 20)
+
+    part = write_config("part.yml", _extra=extra, max_steps=10, log_every=5)
+    first = run_cli(
+        "nmt.cli.train", "--config", str(part), "--workers", "2", f"model_dir={tmp_path / 'part'}"
+    )
+    assert first.returncode == 0, first.stderr
+    assert sorted((tmp_path / "part" / "step-00000010").glob("state-rank*.pt"))[-1].name == "state-rank1.pt"
+    second = run_cli(
+        "nmt.cli.train",
+        "--config",
+        str(part),
+        "--workers",
+        "2",
+        f"model_dir={tmp_path / 'part'}",
+        "train.max_steps=20",
+    )
+    assert second.returncode == 0, second.stderr
+    full_losses, part_losses = train_losses(tmp_path / "full"), train_losses(tmp_path / "part")
+    assert sorted(full_losses) == sorted(part_losses)
+    for step, loss in full_losses.items():
+        assert part_losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+
+
+def test_resume_with_other_worker_count_is_refused(write_config, tmp_path):
+    config = write_config(
+        _extra={"valid": {"every": 0, "test_at_end": False, "translate": False}}, max_steps=5
+    )
+    assert run_cli("nmt.cli.train", "--config", str(config), "--workers", "2").returncode == 0
+    again = run_cli("nmt.cli.train", "--config", str(config), "train.max_steps=10")
+    assert again.returncode != 0
+    assert "written by 2 workers but this run has 1" in again.stderr
+
+
+def test_torchrun_launch(write_config, tmp_path):
+    config = write_config(_extra={"valid": {"every": 0, "beam_size": 1, "test_at_end": False}}, max_steps=10)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "nmt.cli.train",
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 worker(s)" in result.stderr
+    assert max(train_losses(tmp_path / "model")) == 10
+
+
+def _children(pid: int) -> dict[int, int]:
+    """rank -> pid of the launcher's worker processes (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().split()
+            if int(stat[3]) != pid:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(entry.name)
+    return found
+
+
+def test_killed_worker_ends_the_job_with_a_message(write_config):
+    config = write_config(
+        _extra={"valid": {"every": 0, "test_at_end": False, "translate": False}},
+        max_steps=100000,
+        collective_timeout_s=30,
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "nmt.cli.train", "--config", str(config), "--workers", "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        workers: dict[int, int] = {}
+        while time.monotonic() < deadline and len(workers) < 2:
+            workers = _children(launcher.pid)
+            time.sleep(0.5)
+        assert len(workers) == 2, "workers did not start"
+        time.sleep(8)  # let them get into training
+        os.kill(workers[1], signal.SIGKILL)
+        started = time.monotonic()
+        _, stderr = launcher.communicate(timeout=90)
+        took = time.monotonic() - started
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert "worker rank 1 exited with code -9" in stderr
+    assert took < 60

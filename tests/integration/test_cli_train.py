@@ -1,0 +1,101 @@
+"""nmt-train / nmt-translate / nmt-eval end to end on the tiny reverse task (real CLIs, subprocesses)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from cli_helpers import metrics, run_cli, train_losses
+
+
+def test_train_writes_metrics_checkpoints_and_translates(write_config, tmp_path, reverse_corpus):
+    config = write_config()
+    result = run_cli("nmt.cli.train", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    model_dir = tmp_path / "model"
+    rows = metrics(model_dir)
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    valid_rows = [r for r in rows if r["kind"] == "valid"]
+    assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
+    for key in ("step", "kind", "loss", "tokens", "tok_per_s", "wall_s", "bytes_sent"):
+        assert key in train_rows[0]
+    assert [r["step"] for r in valid_rows] == [30, 60]
+    assert all("bleu" in r and "chrf" in r for r in valid_rows)
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert [r for r in rows if r["kind"] == "test"]
+    assert (model_dir / "best").is_symlink() and (model_dir / "last").is_symlink()
+    assert "BLEU" in result.stderr or "BLEU" in result.stdout
+
+    sources = (reverse_corpus / "test.src").read_text().splitlines()[:5]
+    out = run_cli("nmt.cli.translate", "--model", str(model_dir), stdin="\n".join(sources) + "\n")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 5
+
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text((model_dir / "test.hyp").read_text())
+    scored = run_cli("nmt.cli.evaluate", "--hyp", str(hyp), "--ref", str(reverse_corpus / "test.tgt"))
+    assert scored.returncode == 0 and "BLEU" in scored.stdout
+
+
+def test_dump_config_prints_effective_yaml(write_config):
+    result = run_cli("nmt.cli.train", "--config", str(write_config()), "train.lr=0.01", "--dump-config")
+    assert result.returncode == 0, result.stderr
+    dumped = yaml.safe_load(result.stdout)
+    assert dumped["train"]["lr"] == 0.01 and dumped["exchange"]["method"] == "dense"
+
+
+def test_unknown_key_is_one_line_error(write_config):
+    result = run_cli("nmt.cli.train", "--config", str(write_config()), "train.max_step=3")
+    assert result.returncode == 2
+    assert "did you mean 'train.max_steps'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_training_data_names_file_and_line(write_config, tmp_path, reverse_corpus):
+    bad = tmp_path / "bad.src"
+    lines = (reverse_corpus / "train.src").read_bytes().splitlines()
+    lines[6] = b"\xff\xfe broken"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    config = write_config(
+        _extra={"data": {"train": {"src": str(bad), "tgt": str(reverse_corpus / "train.tgt")}}}
+    )
+    result = run_cli(
+        "nmt.cli.train", "--config", str(config), "data.vocab.model=" + str(tmp_path / "v.model")
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{bad}:7" in result.stderr
+
+
+def test_resume_continues_the_same_trajectory(write_config, tmp_path):
+    """Stop at step 20, resume to 40: the losses equal those of an uninterrupted 40-step run."""
+    extra = {"model": {"dropout": 0.1}, "valid": {"every": 20, "beam_size": 1, "test_at_end": False}}
+    full = write_config("full.yml", _extra=extra, max_steps=40, log_every=5, ema_decay=0.9)
+    assert run_cli("nmt.cli.train", "--config", str(full), f"model_dir={tmp_path / 'full'}").returncode == 0
+    part = write_config("part.yml", _extra=extra, max_steps=20, log_every=5, ema_decay=0.9)
+    first = run_cli("nmt.cli.train", "--config", str(part), f"model_dir={tmp_path / 'part'}")
+    assert first.returncode == 0, first.stderr
+    second = run_cli(
+        "nmt.cli.train", "--config", str(part), f"model_dir={tmp_path / 'part'}", "train.max_steps=40"
+    )
+    assert second.returncode == 0, second.stderr
+    full_losses, part_losses = train_losses(tmp_path / "full"), train_losses(tmp_path / "part")
+    assert sorted(part_losses) == sorted(full_losses) == [5, 10, 15, 20, 25, 30, 35, 40]
+    for step, loss in full_losses.items():
+        assert part_losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+
+
+def test_rnn_model_trains(write_config, tmp_path):
+    extra = {
+        "model": {
+            "arch": "rnn",
+            "cell": "lstm",
+            "rnn_embed": 32,
+            "rnn_hidden": 48,
+            "encoder_layers": 1,
+            "decoder_layers": 1,
+            "dropout": 0.0,
+        }
+    }
+    result = run_cli("nmt.cli.train", "--config", str(write_config(_extra=extra, max_steps=30)))
+    assert result.returncode == 0, result.stderr
+    losses = train_losses(tmp_path / "model")
+    assert losses[30] < losses[10]

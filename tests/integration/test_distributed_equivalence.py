@@ -1,0 +1,82 @@
+"""Dense exchange: 2 gloo workers with half batches take the same step as 1 worker with the full batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from tiny_corpus import tiny_config_dict
+
+from nmt.config import config_from_dict
+from nmt.data.batching import Batch
+from nmt.training.distributed import WorkerInfo, free_port, init_process_group
+from nmt.training.trainer import Trainer
+
+
+def _batches(trainer: Trainer, n: int) -> list[Batch]:
+    it = iter(trainer.batches)
+    return [next(it) for _ in range(n)]
+
+
+def _concat(a: Batch, b: Batch) -> Batch:
+    def pad_cat(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        width = max(x.shape[1], y.shape[1])
+        x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+        y = torch.nn.functional.pad(y, (0, width - y.shape[1]))
+        return torch.cat([x, y])
+
+    return Batch(
+        src=pad_cat(a.src, b.src),
+        tgt_in=pad_cat(a.tgt_in, b.tgt_in),
+        tgt_out=pad_cat(a.tgt_out, b.tgt_out),
+        src_tokens=a.src_tokens + b.src_tokens,
+        tgt_tokens=a.tgt_tokens + b.tgt_tokens,
+    )
+
+
+def _config(corpus: Path, model_dir: Path):
+    tree = tiny_config_dict(
+        corpus, model_dir, clip_norm=0.0, warmup_steps=0, lr_schedule="constant", lr=0.5, optimizer="sgd"
+    )  # SGD: the parameter change is the gradient itself, no Adam rescaling
+    return config_from_dict(tree)
+
+
+def _worker(
+    rank: int, world: int, port: int, corpus: Path, model_dir: Path, batches: list, out: Path
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    info = WorkerInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
+    init_process_group(info, torch.device("cpu"), "gloo", 60)
+    trainer = Trainer(_config(corpus, model_dir), info, torch.device("cpu"))
+    for step_batches in batches:
+        trainer.train_step([step_batches[rank]], stop_vote=False)
+    torch.save(trainer.flat.params.clone(), out / f"params-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_workers_with_half_batches_equal_one_worker(tmp_path, reverse_corpus):
+    torch.set_num_threads(1)
+    info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    single = Trainer(_config(reverse_corpus, tmp_path / "single"), info, torch.device("cpu"))
+    raw = _batches(single, 6)
+    halves = [(raw[2 * i], raw[2 * i + 1]) for i in range(3)]  # two ranks' batches per step
+    for a, b in halves:
+        single.train_step([_concat(a, b)], stop_vote=False)
+
+    port = free_port()
+    mp.spawn(
+        _worker, args=(2, port, reverse_corpus, tmp_path / "multi", halves, tmp_path), nprocs=2, join=True
+    )
+    p0 = torch.load(tmp_path / "params-0.pt")
+    p1 = torch.load(tmp_path / "params-1.pt")
+    assert torch.equal(p0, p1)  # replicas stay identical
+    assert (p0 - single.flat.params).abs().max() < 1e-6
+    assert not torch.allclose(p0, _config_init(reverse_corpus, tmp_path), atol=1e-4)  # the step did something
+
+
+def _config_init(corpus: Path, tmp_path: Path) -> torch.Tensor:
+    info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    return Trainer(_config(corpus, tmp_path / "init"), info, torch.device("cpu")).flat.params.clone()
