@@ -126,8 +126,8 @@ class TopDensity:
     """Selects the top `density` fraction of |x| and removes it from x (x keeps the remainder).
 
     tau comes from a strided sample with a random start (`sampled`, the default: exact top-k costs hundreds of
-    ms on CPU for millions of entries) or from an exact k-th value (`exact`); entries with |x| >= tau are sent,
-    at most capacity = ceil(capacity_factor * density * n) of them (the largest; the rest stay in x).
+    ms on CPU for millions of entries) or from an exact k-th value (`exact`); entries with |x| >= tau are
+    sent, at most capacity = ceil(capacity_factor * density * n) of them (the largest; the rest stay in x).
     When such a message would not be smaller than the dense one (capacity * 8 >= 4 n, e.g. density >= 0.5 or
     early in a density warm-up) and `dense_fallback` is on, the whole of x is sent densely instead.
     """
@@ -192,7 +192,7 @@ class SAMomentum:
     def push(self, grad: Tensor, selector: TopDensity | None, density: float = 1.0) -> Update:
         self.u.add_(grad)
         update = take_all(self.u) if selector is None else selector.take(self.u, density)
-        # The sent entries of u are 0 now (take zeroes them): putting back m * sent decays them, and only them.
+        # The sent entries of u are 0 now (take zeroed them): adding back m * sent decays them, and only them.
         if self.momentum:
             update.add_to(self.u, self.momentum)
         return update
@@ -210,8 +210,8 @@ class ParameterServer:
     Args:
         params: the global flat parameters theta, updated in place (pass the server model's flat buffer).
         workers: W; workers are numbered 0..W-1 here.
-        max_staleness: a worker whose last dense refresh is more than this many server updates old gets a dense
-            refresh at its next pull.
+        max_staleness: a worker whose last dense refresh is more than this many server updates old gets a
+            dense refresh at its next pull.
         sparse_pull: False for the baselines that always pull densely (then no r_w is kept: O(n) less memory
             per worker, and every pull is the whole model).
     """
@@ -278,7 +278,8 @@ class ParameterServer:
     def load_state_dict(self, state: dict) -> None:
         if tuple(state["pending"].shape) != tuple(self.pending.shape):
             raise ValueError(
-                f"server state has pending differences of shape {tuple(state['pending'].shape)}, this run needs "
+                f"server state has pending differences of shape {tuple(state['pending'].shape)}, this run "
+                f"needs "
                 f"{tuple(self.pending.shape)} (different worker count, model or dgs_mode)"
             )
         self.pending.copy_(state["pending"])

@@ -48,6 +48,7 @@ def build_exchange(config: ExchangeConfig) -> GradientExchange:
         near = difflib.get_close_matches(config.method, list(_FACTORIES), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ValueError(
-            f"exchange.method: unknown method {config.method!r}{hint} (available: {', '.join(sorted(_FACTORIES))})"
+            f"exchange.method: unknown method {config.method!r}{hint} "
+            f"(available: {', '.join(sorted(_FACTORIES))})"
         )
     return _FACTORIES[config.method](config)

@@ -7,8 +7,8 @@ The pieces that are the same (vocabulary, model, flat buffers, batches, metrics,
 validation metrics) are the toolkit's own, reused by import. The arithmetic lives in `compression.dgs`.
 
 Process layout: world size W = N + 1. Rank 0 is the parameter server; ranks 1..N are workers (worker i reads
-the i-1-th share of the batches). `nmt-train --workers N` launches N + 1 local processes; under torchrun a world
-of W processes is W - 1 workers plus the server.
+the i-1-th share of the batches). `nmt-train --workers N` launches N + 1 local processes; under torchrun a
+world of W processes is W - 1 workers plus the server.
 
 Wire: point-to-point `torch.distributed` send/recv on the job's own process group (gloo on CPU; NCCL has
 send/recv too). Chosen over `torch.distributed.rpc` because it needs no second rendezvous or transport
@@ -23,7 +23,8 @@ Loop of worker w:  wait for the reply to its last push (apply it: theta_w += D, 
 Loop of the server: take the next push (arrival order, or round-robin with `exchange.dgs_deterministic`) ->
     apply it (one server update = one step of `train.max_steps`) -> log / validate / checkpoint when due ->
     reply to that worker with its sparsified model difference.
-Validation runs on the server alone (workers block meanwhile: keep it shorter than train.collective_timeout_s).
+Validation runs on the server alone (workers block meanwhile: keep it shorter than
+train.collective_timeout_s).
 A checkpoint first quiesces the job: the server receives (without applying) the push each other worker is
 computing, so every worker waits for a reply; then all ranks write their state (server: parameters, r_w,
 counters, the received pushes; workers: SAMomentum, model copy, data position, RNG), and resuming continues
@@ -35,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -176,7 +178,7 @@ def run_rank(config: Config) -> int:
 
 @dataclass
 class Common:
-    """What server and workers build the same way: vocabularies, model (same seed everywhere), flat buffers."""
+    """What server and workers build alike: vocabularies, model (same seed everywhere), flat buffers."""
 
     config: Config
     info: WorkerInfo
@@ -275,6 +277,17 @@ class Link:
         return payload
 
 
+def _cause(err: BaseException) -> str:
+    """The gist of a gloo/NCCL error for a one-line message."""
+    text = str(err)
+    if "Connection closed" in text or "Connection reset" in text:
+        return "connection closed: that process exited or died"
+    if "Timed out" in text or "timed out" in text:
+        return "timed out"
+    first = text.splitlines()[0] if text else type(err).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", first)[:120]
+
+
 def _selector(config: Config, rank: int) -> TopDensity:
     ex = config.exchange
     return TopDensity(
@@ -328,6 +341,8 @@ class ServerRun:
     best_bleu: float = -1.0
     best_step: int = 0
     bad_validations: int = 0
+    pushes: list[int] = field(default_factory=list)  # pushes applied, per worker
+    pulls: int = 0  # replies sent
 
 
 class ServerLoop:
@@ -347,7 +362,7 @@ class ServerLoop:
             inverse_sqrt(train.warmup_steps) if train.lr_schedule == "inverse_sqrt" else (lambda s: 1.0)
         )
         self.ema = common.flat.params.detach().clone() if train.ema_decay > 0 else None
-        self.run_state = ServerRun()
+        self.run_state = ServerRun(pushes=[0] * self.workers)
         self.owed: list[int] = []  # workers whose push was applied but not answered yet
         self.incoming: list[Push] = []  # pushes received while quiescing, not applied yet
         self.next_worker = 0  # round-robin pointer (deterministic mode)
@@ -388,6 +403,7 @@ class ServerLoop:
             state.bytes_up += push.update.payload_bytes
             state.tokens_seen += push.tokens
             state.epoch = max(state.epoch, push.epoch)
+            state.pushes[push.worker] += 1
             interval.add_push(push, staleness, self.server.params.numel())
             step = self.server.step
             stop = self._limit_reached(state.wall_s)
@@ -410,7 +426,7 @@ class ServerLoop:
                 self.writer.prune()
             if stop:
                 for w in range(self.workers):
-                    self.link.send(w + 1, STOP, [step])
+                    self.link.send(w + 1, STOP, [0, step])
                 break
             self.reply(push.worker, interval)
         progress.close()
@@ -461,9 +477,7 @@ class ServerLoop:
         try:
             header = self.link.recv_header(worker + 1)
         except RuntimeError as err:
-            raise PeerFailure(
-                self._silence_message([worker + 1]) + f" ({str(err).splitlines()[0][:120]})"
-            ) from None
+            raise PeerFailure(f"{self._silence_message([worker + 1])} ({_cause(err)})") from None
         return self._read_push(worker, header)
 
     def _read_push(self, worker: int, header: torch.Tensor) -> Push:
@@ -481,6 +495,7 @@ class ServerLoop:
         update = self.server.pull(worker, self.selector if self.mode == "dual" else None, density)
         self.link.send(worker + 1, CODES[update.kind], [update.count, self.server.step], update.pack())
         self.run_state.bytes_down += update.payload_bytes
+        self.run_state.pulls += 1
         interval.add_pull(update, self.server.params.numel())
         self.expected_since[worker] = time.monotonic()
 
@@ -500,7 +515,7 @@ class ServerLoop:
         self.quiesce(served)
         step = self.server.step
         for w in range(self.workers):
-            self.link.send(w + 1, SAVE, [step])
+            self.link.send(w + 1, SAVE, [0, step])
         ema_state = None
         if self.ema is not None:
             ema_state = {s.name: self.ema[s.offset : s.end].view(s.shape) for s in self.common.flat.layout}
@@ -602,7 +617,7 @@ class ServerLoop:
         valid, state = self.config.valid, self.run_state
         started = time.perf_counter()
         src, refs = self._dev_lines()
-        with self._eval_weights():
+        with self._eval_weights(), _all_cores(self.config.train.threads):
             loss, tokens = self._dev_loss(src, refs)
             row: dict[str, Any] = {
                 "step": self.server.step,
@@ -651,7 +666,8 @@ class ServerLoop:
             self.common.model.load_state_dict(weights["ema"] or weights["model"])
             step = int(best.resolve().name.split("-")[-1])
         src, refs = read_lines(data.test.src), read_lines(data.test.tgt)
-        hyps = self._translate(src)
+        with _all_cores(self.config.train.threads):  # the workers have finished
+            hyps = self._translate(src)
         scores = score_corpus(hyps, refs)
         (model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
         self.metrics.write(
@@ -670,14 +686,25 @@ class ServerLoop:
         )
 
 
+@contextmanager
+def _all_cores(threads: int):
+    """The server evaluates alone while the workers wait (or after they finished): use every core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _push_to_dict(push: Push) -> dict[str, Any]:
     u = push.update
     return {
         "worker": push.worker,
         "kind": u.kind,
-        "values": u.values.cpu(),
+        "values": u.values.cpu().clone(),
         "selected": u.selected,
-        "indices": None if u.indices is None else u.indices.cpu(),
+        "indices": None if u.indices is None else u.indices.cpu().clone(),
         "tokens": push.tokens,
         "loss_sum": push.loss_sum,
         "nll_sum": push.nll_sum,
@@ -746,6 +773,8 @@ class _Interval:
             "staleness_max": max(self.staleness, default=0),
             "behind_max": max(server.behind(w) for w in range(workers)),
             "refreshes": server.refreshes,
+            "pushes": list(state.pushes),
+            "pulls": state.pulls,
         }
 
 
@@ -804,9 +833,7 @@ class WorkerLoop:
             try:
                 self.link.send(0, CODES[update.kind], fields, update.pack())
             except RuntimeError as err:
-                raise PeerFailure(
-                    f"could not push to the parameter server (rank 0): {str(err).splitlines()[0][:160]}"
-                ) from None
+                raise PeerFailure(f"could not push to the parameter server (rank 0): {_cause(err)}") from None
             self.awaiting = True
 
     def wait_reply(self) -> bool:
@@ -815,9 +842,12 @@ class WorkerLoop:
             try:
                 header = self.link.recv_header(0)
             except RuntimeError as err:
+                cause = _cause(err)
+                if cause != "timed out":
+                    raise PeerFailure(f"lost the parameter server (rank 0): {cause}") from None
                 raise PeerFailure(
                     f"no reply from the parameter server (rank 0) within train.collective_timeout_s="
-                    f"{self.link.timeout_s:g} s ({str(err).splitlines()[0][:120]})"
+                    f"{self.link.timeout_s:g} s"
                 ) from None
             code, count, step = int(header[0]), int(header[1]), int(header[2])
             if code == STOP:
@@ -849,7 +879,11 @@ class WorkerLoop:
                 logits, batch.tgt_out, train.label_smoothing, model.pad_id
             )
             loss.backward()  # sums into the flat gradient buffer
-            tokens, loss_sum, nll_sum = tokens + n, loss_sum + float(loss), nll_sum + float(nll)
+            tokens, loss_sum, nll_sum = (
+                tokens + n,
+                loss_sum + float(loss.detach()),
+                nll_sum + float(nll.detach()),
+            )
         grad = flat.grads.mul_(1.0 / max(tokens, 1))  # per-token gradient of this worker's batches
         norm = float(grad.norm())
         if train.clip_norm > 0 and norm > train.clip_norm:

@@ -22,7 +22,7 @@ class TrainConfig:
     max_epochs: int = 0  # 0 = no limit
     max_wall_s: float = 0.0  # 0 = no limit; wall-clock bound of the training loop
     ema_decay: float = 0.0  # exponential smoothing of parameters; 0 disables
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast, CUDA only)
+    precision: str = "fp32"  # fp32 | bf16 (autocast; CUDA or CPU) | fp16 (CUDA, with loss scaling)
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads per worker; 0 = cores / local workers
     log_every: int = 50

@@ -8,7 +8,7 @@ from cli_helpers import metrics, run_cli, train_losses
 
 
 def test_train_writes_metrics_checkpoints_and_translates(write_config, tmp_path, reverse_corpus):
-    config = write_config()
+    config = write_config(ema_decay=0.9)  # smoothed weights are what is validated, saved and decoded
     result = run_cli("nmt.cli.train", "--config", str(config))
     assert result.returncode == 0, result.stderr
     model_dir = tmp_path / "model"

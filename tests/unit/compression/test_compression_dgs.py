@@ -55,6 +55,17 @@ def test_staleness_bound_forces_a_dense_refresh():
     assert server.apply(1, push, lr=0.1) == 0 and server.apply(0, push, lr=0.1) == 5  # staleness of pushes
 
 
+def test_dense_pull_baselines_keep_no_pending_difference():
+    server = ParameterServer(torch.zeros(50), workers=2, max_staleness=1, sparse_pull=False)
+    assert server.pending.numel() == 0
+    worker = torch.zeros(50)
+    server.apply(0, Update(SPARSE, torch.ones(3), torch.tensor([0, 7, 9], dtype=torch.int32)), lr=0.5)
+    server.apply(1, take_all(torch.ones(50)), lr=0.1)
+    reply = server.pull(0, TopDensity(), density=0.01)
+    assert reply.kind == PARAMS and reply.payload_bytes == 4 * 50 and server.refreshes == 0
+    assert torch.equal(reply.add_to(worker), server.params) and float(server.params[7]) == pytest.approx(-0.6)
+
+
 @pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.0), (0.5, 0.01)])
 def test_samomentum_at_density_one_is_momentum_sgd(momentum, weight_decay):
     torch.manual_seed(0)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Reproduces the figures in docs/results.md on this machine (2 CPU cores, gloo, 2 workers).
+# Each block is independent; run the one you need. Needs the corpus: `make corpus`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+STEPS=${STEPS:-300}
+COMMON=(--common "train.max_wall_s=0" --common "train.max_steps=$STEPS" --common "valid.every=100"
+        --common "valid.max_sentences=300" --common "valid.beam_size=1" --common "decode.beam_size=1"
+        --common "train.log_every=25" --common "valid.early_stopping=0")
+
+case "${1:-all}" in
+transformer|all)
+  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+    --runs-dir models/compare-transformer --out docs/results-transformer.md --plots docs/plots/transformer \
+    "${COMMON[@]}" \
+    --run dense exchange.method=dense \
+    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=global \
+    --run dropping-99-layer exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=layer \
+    --run dropping-99.9-global exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=global \
+    --run dropping-99.9-layer exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=layer \
+    --run dropping-99-2bit exchange.method=dropping exchange.drop_ratio=0.99 exchange.quantize_bits=2 \
+    --run local_mix-sum exchange.method=local_mix exchange.local_mode=sum \
+    --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace \
+    --run dgc exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3 \
+        train.clip_norm=0 exchange.local_clip_norm=1.0
+  ;;&
+rnn|all)
+  $PY bench/compare_methods.py --config recipes/bible-es-en-rnn.yml --workers 2 --skip-existing \
+    --runs-dir models/compare-rnn --out docs/results-rnn.md --plots docs/plots/rnn \
+    "${COMMON[@]}" \
+    --run dense exchange.method=dense \
+    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 \
+    --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace
+  ;;&
+netbed|all)
+  # Issue 3: dense exchange on the bandwidth-limited test bed, 2 and 4 hosts (one worker each).
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 --bandwidth unlimited 1gbit 100mbit \
+    --steps 20 --run dense exchange.method=dense --vocab models/bible-es-en/spm.model \
+    --reference models/bible-es-en/metrics.jsonl --target-loss 4.0 \
+    --json docs/netbed-train-dense.jsonl --out docs/netbed-train-dense.md
+  # Issue 4: every method's step time at 1 Gbit/s, 2 hosts.
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 20 \
+    --vocab models/bible-es-en/spm.model \
+    --run dense exchange.method=dense \
+    --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
+    --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
+    --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2 \
+    --run local_mix-replace exchange.method=local_mix \
+    --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 \
+    --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
+  ;;&
+multinode|all)
+  # Issue 3: two bed hosts, each its own torchrun agent (c10d rendezvous over the 1 Gbit/s bridge).
+  rm -rf models/netbed-multinode
+  $PY bench/netbed.py run --hosts 2 --bandwidth 1gbit --timeout 1200 --log-dir models/netbed-multinode-logs -- \
+    'OMP_NUM_THREADS=1 .venv/bin/torchrun --nnodes 2 --nproc-per-node 1 $NETBED_TORCHRUN_ARGS \
+     -m nmt.cli.train --config recipes/bible-es-en.yml model_dir=models/netbed-multinode \
+     data.vocab.model=models/bible-es-en/spm.model train.max_wall_s=0 train.max_steps=300 train.threads=1 \
+     train.progress=false valid.every=150 valid.test_at_end=false'
+  ;;
+esac
