@@ -191,13 +191,15 @@ def human_bytes(n: float | None) -> str:
 
 def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
     lines = [
-        "| run | overrides | steps | final dev BLEU | best dev BLEU | test BLEU | final dev chrF "
-        "| bytes/step | compression vs dense fp32 | wall (s) | exit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | overrides | steps | final dev loss | final dev BLEU | best dev BLEU | test BLEU "
+        "| final dev chrF | bytes/step | compression vs dense fp32 | wall (s) | exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         bleu = run.valid_bleu
         final = bleu[-1] if bleu else {}
+        valid_rows = run.of_kind("valid")
+        dev_loss = valid_rows[-1].get("loss") if valid_rows else None
         best = max((r["bleu"] for r in bleu), default=None)
         test = run.of_kind("test")
         test_bleu = test[-1].get("bleu") if test else None
@@ -205,7 +207,8 @@ def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
         bps = run.bytes_per_step
         ratio = (n * 4) / bps if n and bps else None
         lines.append(
-            f"| {run.name} | `{' '.join(run.overrides)}` | {run.last_step} | {fmt(final.get('bleu'), '.2f')} "
+            f"| {run.name} | `{' '.join(run.overrides)}` | {run.last_step} | {fmt(dev_loss, '.3f')} "
+            f"| {fmt(final.get('bleu'), '.2f')} "
             f"| {fmt(best, '.2f')} | {fmt(test_bleu, '.2f')} | {fmt(final.get('chrf'), '.2f')} "
             f"| {human_bytes(bps)} "
             f"| {fmt(ratio, '.1f')}{'x' if ratio else ''} | {fmt(run.wall_s, '.0f')} "

@@ -99,3 +99,23 @@ def test_rnn_model_trains(write_config, tmp_path):
     assert result.returncode == 0, result.stderr
     losses = train_losses(tmp_path / "model")
     assert losses[30] < losses[10]
+
+
+def test_early_stopping_and_wall_limit(write_config, tmp_path):
+    # lr so small that dev BLEU cannot improve after the first validation: stop at the second one.
+    extra = {
+        "valid": {"every": 5, "beam_size": 1, "max_sentences": 8, "early_stopping": 1, "test_at_end": False}
+    }
+    config = write_config(_extra=extra, max_steps=1000, lr=1e-9, warmup_steps=0)
+    result = run_cli("nmt.cli.train", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "stopping early" in result.stderr
+    assert max(train_losses(tmp_path / "model")) == 10
+
+    wall = write_config(
+        "wall.yml", max_steps=100000, max_wall_s=3, _extra={"valid": {"every": 0, "test_at_end": False}}
+    )
+    result = run_cli("nmt.cli.train", "--config", str(wall), f"model_dir={tmp_path / 'wall'}")
+    assert result.returncode == 0, result.stderr
+    rows = [r for r in metrics(tmp_path / "wall") if r["kind"] == "train"]
+    assert 3 <= rows[-1]["wall_s"] < 30 and rows[-1]["step"] < 100000

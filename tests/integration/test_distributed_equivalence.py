@@ -80,3 +80,15 @@ def test_two_workers_with_half_batches_equal_one_worker(tmp_path, reverse_corpus
 def _config_init(corpus: Path, tmp_path: Path) -> torch.Tensor:
     info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
     return Trainer(_config(corpus, tmp_path / "init"), info, torch.device("cpu")).flat.params.clone()
+
+
+def test_delayed_update_equals_one_big_batch(tmp_path, reverse_corpus):
+    """optimizer_delay: two micro-batches accumulated = one step on their concatenation."""
+    torch.set_num_threads(1)
+    info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    delayed = Trainer(_config(reverse_corpus, tmp_path / "delayed"), info, torch.device("cpu"))
+    whole = Trainer(_config(reverse_corpus, tmp_path / "whole"), info, torch.device("cpu"))
+    a, b = _batches(delayed, 2)
+    delayed.train_step([a, b], stop_vote=False)
+    whole.train_step([_concat(a, b)], stop_vote=False)
+    assert (delayed.flat.params - whole.flat.params).abs().max() < 1e-6
