@@ -110,17 +110,21 @@ def launch_local_workers(n_workers: int, argv: list[str], grace_s: float = 10.0)
         while True:
             codes = [proc.poll() for proc in procs]
             if failed is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0):
-                        failed = (rank, code)
-                        print(
-                            f"nmt-train: worker rank {rank} exited with code {code}; stopping the others",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        stop_all()
-                        deadline = time.monotonic() + grace_s
-                        break
+                dead = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+                if dead:
+                    # Within one poll a peer may already have ended because of the first death (exit 1,
+                    # or abort -6 while tearing down gloo): name a rank killed by a signal first.
+                    dead.sort(key=lambda rc: (not (rc[1] < 0 and rc[1] != -6), rc[0]))
+                    failed = dead[0]
+                    others = "".join(f"; rank {r} exited with code {c}" for r, c in dead[1:])
+                    print(
+                        f"nmt-train: worker rank {failed[0]} exited with code {failed[1]}{others}; "
+                        "stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    stop_all()
+                    deadline = time.monotonic() + grace_s
             if all(code is not None for code in codes):
                 break
             if failed is not None and time.monotonic() > deadline:
