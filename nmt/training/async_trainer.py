@@ -76,7 +76,7 @@ from nmt.training.distributed import (
 )
 from nmt.training.flat import FlatModel, flatten_model
 from nmt.training.metrics import MetricsLog, Progress
-from nmt.training.trainer import inverse_sqrt, select_device
+from nmt.training.trainer import inverse_sqrt, record_test_scores, select_device
 
 HEADER_WORDS = 8
 TAG_HEADER, TAG_PAYLOAD = 1, 2
@@ -668,22 +668,7 @@ class ServerLoop:
         src, refs = read_lines(data.test.src), read_lines(data.test.tgt)
         with _all_cores(self.config.train.threads):  # the workers have finished
             hyps = self._translate(src)
-        scores = score_corpus(hyps, refs)
-        (model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        self.metrics.write(
-            {
-                "step": step,
-                "kind": "test",
-                "bleu": scores.bleu,
-                "chrf": scores.chrf,
-                "bleu_signature": scores.bleu_signature,
-                "sentences": len(src),
-            }
-        )
-        progress.write(
-            f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
-            f"  {scores.bleu_signature}"
-        )
+        record_test_scores(model_dir, self.metrics, progress, step, hyps, refs)
 
 
 @contextmanager

@@ -547,22 +547,7 @@ class Trainer:
         refs = read_lines(data.test.tgt)
         hyps = self.translate_sharded(src)
         if self.info.is_main:
-            scores = score_corpus(hyps, refs)
-            (self.model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-            self.metrics.write(
-                {
-                    "step": step,
-                    "kind": "test",
-                    "bleu": scores.bleu,
-                    "chrf": scores.chrf,
-                    "bleu_signature": scores.bleu_signature,
-                    "sentences": len(src),
-                }
-            )
-            progress.write(
-                f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
-                f"  {scores.bleu_signature}"
-            )
+            record_test_scores(self.model_dir, self.metrics, progress, step, hyps, refs)
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -625,3 +610,25 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def record_test_scores(
+    model_dir: Path, metrics: MetricsLog, progress: Progress, step: int, hyps: list[str], refs: list[str]
+) -> None:
+    """Score the test translations of the best checkpoint: test.hyp, a `test` metrics row, a message."""
+    scores = score_corpus(hyps, refs)
+    (model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    metrics.write(
+        {
+            "step": step,
+            "kind": "test",
+            "bleu": scores.bleu,
+            "chrf": scores.chrf,
+            "bleu_signature": scores.bleu_signature,
+            "sentences": len(hyps),
+        }
+    )
+    progress.write(
+        f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
+        f"  {scores.bleu_signature}"
+    )
