@@ -192,8 +192,8 @@ def human_bytes(n: float | None) -> str:
 def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
     lines = [
         "| run | overrides | steps | final dev loss | final dev BLEU | best dev BLEU | test BLEU "
-        "| final dev chrF | bytes/step | compression vs dense fp32 | wall (s) | exit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| final dev chrF | bytes/step | total sent per rank | compression vs dense fp32 | wall (s) | exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         bleu = run.valid_bleu
@@ -210,7 +210,7 @@ def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
             f"| {run.name} | `{' '.join(run.overrides)}` | {run.last_step} | {fmt(dev_loss, '.3f')} "
             f"| {fmt(final.get('bleu'), '.2f')} "
             f"| {fmt(best, '.2f')} | {fmt(test_bleu, '.2f')} | {fmt(final.get('chrf'), '.2f')} "
-            f"| {human_bytes(bps)} "
+            f"| {human_bytes(bps)} | {human_bytes(run.total_bytes)} "
             f"| {fmt(ratio, '.1f')}{'x' if ratio else ''} | {fmt(run.wall_s, '.0f')} "
             f"| {'–' if run.returncode is None else run.returncode} |"
         )
@@ -274,7 +274,8 @@ def write_report(runs: list[RunSummary], args: argparse.Namespace, out: Path, pl
         *table(runs, n_params),
         "",
         "bytes/step: everything a rank's exchange put on the wire (payload, no padding; parameter "
-        "averaging included) divided by optimizer steps. Compression: n * 4 / bytes per step. BLEU: "
+        "averaging included) divided by optimizer steps; total sent per rank: the same over the whole run "
+        "(x 8 for bits). Compression: n * 4 / bytes per step. BLEU: "
         "sacreBLEU on the dev set at validation (synchronised model); test BLEU: the best checkpoint on the "
         "test set. A run with a non-zero exit status is incomplete.",
         "",

@@ -1,23 +1,32 @@
-"""The DGS experiments: asynchronous dense, one-way and dual-way (DGS) training at a fixed step budget, plus a
-slow-worker run, each a real `nmt-train` run; the table goes into docs/dgs.md.
+"""The DGS experiments: asynchronous dense, one-way and dual-way (DGS) training against synchronous sparse
+exchange at the same number of gradients, plus a straggler run of each kind; the table goes into docs/dgs.md.
 
-Why a script: the comparison only means something when every run uses the same recipe, vocabulary, step budget
-and worker count, and every number in the table comes from a run's own metrics.jsonl. It prints JSON and a
+Why a script: the comparison only means something when every run uses the same model, vocabulary, batches and
+gradient budget, and every number in the table comes from a run's own metrics.jsonl. It prints JSON and a
 human table and replaces the block between the markers in docs/dgs.md.
 
-    python bench/dgs_experiments.py                      # the full experiments (hours on 2 CPU cores)
-    python bench/dgs_experiments.py --steps 400 --slow-ms 1500 --runs dual dual-slow
+    python bench/dgs_experiments.py                      # every run (about 45 minutes on 2 CPU cores)
+    python bench/dgs_experiments.py --runs dual dual-straggler sync-local_mix-straggler
     python bench/dgs_experiments.py --report-only        # re-read finished runs and rewrite the table
     python bench/dgs_experiments.py --smoke              # ~2 minutes: checks the script, numbers meaningless
 
-Runs (all `--config RECIPE --workers W`, model_dir = OUT/NAME, one shared sentencepiece model OUT/spm.model):
-    dense      exchange.dgs_mode=dense     dense push, dense pull (asynchronous SGD baseline)
-    one_way    exchange.dgs_mode=one_way   sparse push (1 - drop_ratio), dense pull
-    dual       exchange.dgs_mode=dual      DGS: sparse push and sparse pull of the model difference
-    dual-slow  dual, worker rank 1 sleeps --slow-ms per step (exchange.dgs_slow_worker_ms)
-Columns: dev BLEU (best `valid` row), test BLEU (`test` row: best checkpoint on the test books), MB up / down
-(payload totals over all workers: 8 bytes per sparse entry, 4 per dense value), KB per push and pull, wall
-time of the training loop, pushes per worker, dense refreshes forced by exchange.max_staleness.
+Budget: --gradients G worker gradients per run. An asynchronous run makes G server updates (one per push,
+train.max_steps = G); a synchronous run with W workers makes G / W steps (each consumes W batches). Both
+recipes share the model (Transformer tiny, tied 4k vocabulary), 1,500-token batches per worker and bf16
+autocast; the asynchronous one uses momentum SGD (SAMomentum), the synchronous one Adam (docs/results.md).
+
+Runs (model_dir = OUT/NAME, one shared sentencepiece model OUT/spm.model):
+    dense                     async, exchange.dgs_mode=dense    dense push, dense pull (asynchronous SGD)
+    one_way                   async, exchange.dgs_mode=one_way  sparse push, dense pull
+    dual                      async, exchange.dgs_mode=dual     DGS: sparse push, sparse model-difference pull
+    dual-straggler            dual; the last worker sleeps --straggler-ms per step (train.straggler_ms)
+    sync-dropping             sync, exchange.method=dropping (99%), recipes/bible-es-en.yml
+    sync-local_mix            sync, exchange.method=local_mix replace (99%), the recipe's default
+    sync-local_mix-straggler  sync-local_mix with the same straggler
+Columns: dev loss and BLEU (last `valid` row; greedy, 300 dev sentences), test BLEU (best checkpoint, all test
+verses, greedy), MB up / down (payload totals over all workers: async 8 bytes per sparse entry and 4 per dense
+value; sync whatever each rank's exchange sent and received), wall time of the training loop (validation
+included), pushes per worker, dense refreshes forced by exchange.max_staleness.
 """
 
 from __future__ import annotations
@@ -32,16 +41,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- dgs-results:start -->", "<!-- dgs-results:end -->"
+ASYNC_RECIPE, SYNC_RECIPE = "recipes/bible-es-en-dgs.yml", "recipes/bible-es-en.yml"
 RUNS: dict[str, list[str]] = {
     "dense": ["exchange.dgs_mode=dense"],
     "one_way": ["exchange.dgs_mode=one_way"],
     "dual": ["exchange.dgs_mode=dual"],
-    "dual-slow": ["exchange.dgs_mode=dual"],  # + exchange.dgs_slow_worker_ms
+    "dual-straggler": ["exchange.dgs_mode=dual"],
+    "sync-dropping": ["exchange.method=dropping", "exchange.drop_ratio=0.99"],
+    "sync-local_mix": [
+        "exchange.method=local_mix",
+        "exchange.local_mode=replace",
+        "exchange.drop_ratio=0.99",
+    ],
+    "sync-local_mix-straggler": [
+        "exchange.method=local_mix",
+        "exchange.local_mode=replace",
+        "exchange.drop_ratio=0.99",
+    ],
 }
+COMMON = [
+    "train.max_wall_s=0",
+    "train.progress=false",
+    "train.log_every=25",
+    "valid.max_sentences=300",
+    "valid.beam_size=1",
+    "valid.early_stopping=0",
+    "decode.beam_size=1",
+]
 SMOKE = [
     "valid.every=0",
     "valid.max_sentences=10",
-    "valid.beam_size=1",
     "valid.test_at_end=false",
     "exchange.warmup_steps=0",
     "train.log_every=2",
@@ -50,13 +79,13 @@ SMOKE = [
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="workers (async: plus one server process)")
     parser.add_argument(
-        "--config", default="recipes/bible-es-en-dgs.yml", help="recipe (default: %(default)s)"
+        "--gradients", type=int, default=600, help="worker gradients per run (default: %(default)s)"
     )
-    parser.add_argument("--workers", type=int, default=2, help="workers (plus one server process)")
-    parser.add_argument("--steps", type=int, default=1000, help="server updates per run (train.max_steps)")
+    parser.add_argument("--validations", type=int, default=3, help="validations per run (evenly spaced)")
     parser.add_argument(
-        "--slow-ms", type=int, default=1500, help="sleep per step of worker rank 1 in dual-slow"
+        "--straggler-ms", type=int, default=600, help="sleep per step of the last worker in *-straggler runs"
     )
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs")
     parser.add_argument(
@@ -73,33 +102,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def is_sync(name: str) -> bool:
+    return name.startswith("sync-")
+
+
 def command(args: argparse.Namespace, name: str, out: Path) -> list[str]:
+    steps = args.gradients // args.workers if is_sync(name) else args.gradients
     overrides = [
         f"model_dir={out / name}",
         f"data.vocab.model={out / 'spm.model'}",  # one vocabulary for every run
-        f"train.max_steps={args.steps}",
-        "train.max_wall_s=0",
-        "train.progress=false",
+        f"train.max_steps={steps}",
+        f"valid.every={max(steps // args.validations, 1)}",
+        *COMMON,
         *RUNS[name],
     ]
-    if name == "dual-slow":
-        overrides.append(f"exchange.dgs_slow_worker_ms={args.slow_ms}")
+    if name.endswith("-straggler"):
+        overrides.append(f"train.straggler_ms={args.straggler_ms}")
     if args.smoke:
         overrides += SMOKE
     overrides += args.extra
+    recipe = SYNC_RECIPE if is_sync(name) else ASYNC_RECIPE
     return [
         sys.executable,
         "-m",
         "nmt.cli.train",
         "--config",
-        args.config,
+        recipe,
         "--workers",
         str(args.workers),
         *overrides,
     ]
 
 
-def summarize(name: str, run_dir: Path) -> dict[str, Any] | None:
+def summarize(name: str, run_dir: Path, workers: int) -> dict[str, Any] | None:
     log = run_dir / "metrics.jsonl"
     if not log.exists():
         return None
@@ -111,21 +146,27 @@ def summarize(name: str, run_dir: Path) -> dict[str, Any] | None:
         return None
     last = train[-1]
     steps = last["step"]
-    pulls = last.get("pulls") or steps  # replies sent (no reply to the pushes at the stop)
+    if is_sync(name):  # per-rank cumulative counters; every rank sends and receives alike
+        gradients, up, down = steps * workers, last["bytes_sent"] * workers, last["bytes_received"] * workers
+    else:
+        gradients, up, down = steps, last["bytes_up"], last["bytes_down"]
     return {
         "run": name,
+        "mode": "sync" if is_sync(name) else "async",
         "steps": steps,
-        "dev_bleu": max((r["bleu"] for r in valid), default=None),
+        "gradients": gradients,
+        "dev_loss": valid[-1]["loss"] if valid else None,
+        "dev_bleu": valid[-1]["bleu"] if valid else None,
         "test_bleu": test[-1]["bleu"] if test else None,
-        "final_loss": last["loss"],
-        "mb_up": last["bytes_up"] / 1e6,
-        "mb_down": last["bytes_down"] / 1e6,
-        "kb_per_push": last["bytes_up"] / steps / 1e3,
-        "kb_per_pull": last["bytes_down"] / max(pulls, 1) / 1e3,
-        "wall_s": last["wall_s"],
+        "train_loss": last["loss"],
+        "mb_up": up / 1e6,
+        "mb_down": down / 1e6,
+        "wall_s": (valid[-1]["wall_s"] if valid else last["wall_s"]),
         "pushes": last.get("pushes"),
         "refreshes": last.get("refreshes"),
-        "staleness_max": max(r.get("staleness_max", 0) for r in train),
+        "staleness_max": max((r.get("staleness_max", 0) for r in train), default=0)
+        if not is_sync(name)
+        else None,
     }
 
 
@@ -135,16 +176,17 @@ def _fmt(value: Any, spec: str) -> str:
 
 def table(results: list[dict[str, Any]], note: str) -> str:
     head = (
-        "| run | server updates | dev BLEU | test BLEU | MB up | MB down | KB/push | KB/pull | wall s "
+        "| run | mode | steps | gradients | dev loss | dev BLEU | test BLEU | MB up | MB down | wall s "
         "| pushes per worker | refreshes | max staleness |"
     )
-    lines = [note, "", head, "|" + "---|" * 12]
+    lines = [note, "", head, "|" + "---|" * 13]
     for r in results:
         pushes = " / ".join(str(p) for p in r["pushes"]) if r["pushes"] else "–"
         lines.append(
-            f"| {r['run']} | {r['steps']} | {_fmt(r['dev_bleu'], '.2f')} | {_fmt(r['test_bleu'], '.2f')} "
-            f"| {r['mb_up']:.1f} | {r['mb_down']:.1f} | {r['kb_per_push']:.0f} | {r['kb_per_pull']:.0f} "
-            f"| {r['wall_s']:.0f} | {pushes} | {r['refreshes']} | {r['staleness_max']} |"
+            f"| {r['run']} | {r['mode']} | {r['steps']} | {r['gradients']} | {_fmt(r['dev_loss'], '.3f')} "
+            f"| {_fmt(r['dev_bleu'], '.2f')} | {_fmt(r['test_bleu'], '.2f')} "
+            f"| {r['mb_up']:.1f} | {r['mb_down']:.1f} | {r['wall_s']:.0f} | {pushes} "
+            f"| {_fmt(r['refreshes'], 'd')} | {_fmt(r['staleness_max'], 'd')} |"
         )
     return "\n".join(lines)
 
@@ -161,8 +203,8 @@ def write_doc(doc: Path, block: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.smoke:
-        args.steps = min(args.steps, 6)
-        args.slow_ms = min(args.slow_ms, 300)
+        args.gradients = min(args.gradients, 8)
+        args.straggler_ms = min(args.straggler_ms, 100)
         args.out = args.out.rstrip("/") + "-smoke"
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -179,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"dgs_experiments: run {name} failed; see {out / name}.log", file=sys.stderr)
             return code
-    results = [r for name in args.runs if (r := summarize(name, out / name)) is not None]
+    results = [r for name in RUNS if (r := summarize(name, out / name, args.workers)) is not None]
     print(json.dumps(results, indent=1))
     note = (
         f"{'SMOKE RUN (settings too small to mean anything): ' if args.smoke else ''}"
-        f"`python bench/dgs_experiments.py --steps {args.steps} --slow-ms {args.slow_ms}"
-        f"{' --smoke' if args.smoke else ''}`, recipe `{args.config}`, {args.workers} workers + 1 server, "
-        f"dual-slow: worker rank 1 sleeps {args.slow_ms} ms per step."
+        f"`python bench/dgs_experiments.py --gradients {args.gradients} --straggler-ms {args.straggler_ms}"
+        f"{' --smoke' if args.smoke else ''}{''.join(' ' + e for e in args.extra)}`: {args.workers} workers "
+        f"(async: + 1 server), async recipe `{ASYNC_RECIPE}`, sync recipe `{SYNC_RECIPE}`, "
+        f"*-straggler: the last worker sleeps {args.straggler_ms} ms before each step."
     )
     block = table(results, note)
     print(block)

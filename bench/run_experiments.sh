@@ -30,8 +30,45 @@ rnn|all)
     --runs-dir models/compare-rnn --out docs/results-rnn.md --plots docs/plots/rnn \
     "${COMMON[@]}" \
     --run dense exchange.method=dense \
-    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99
-  # Not yet run (CPU time): add the Transformer block's other runs here for the RNN.
+    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 \
+    --run dropping-99-layer exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=layer \
+    --run dropping-99.9-global exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=global \
+    --run dropping-99.9-layer exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=layer \
+    --run dropping-99-2bit exchange.method=dropping exchange.drop_ratio=0.99 exchange.quantize_bits=2 \
+    --run local_mix-sum exchange.method=local_mix exchange.local_mode=sum \
+    --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace \
+    --run dgc exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3 \
+        train.clip_norm=0 exchange.local_clip_norm=1.0
+  ;;&
+sbc|all)
+  # Issue 6: SBC's three presets against dense and dropping 99%, and a delay x density grid at a fixed
+  # communication budget (density / delay = 0.001 of the entries per step: n1-p0.001 = no-delay,
+  # n10-p0.01 = delay-10, then n30-p0.03 and n100-p0.1).
+  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+    --runs-dir models/compare-sbc --out docs/results-sbc.md --plots docs/plots/sbc \
+    "${COMMON[@]}" \
+    --run dense exchange.method=dense \
+    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 \
+    --run sbc-no-delay exchange.method=sbc exchange.preset=no-delay \
+    --run sbc-delay-10 exchange.method=sbc exchange.preset=delay-10 \
+    --run sbc-delay-100 exchange.method=sbc exchange.preset=delay-100 \
+    --run sbc-n30-p0.03 exchange.method=sbc exchange.delay=30 exchange.density=0.03 \
+    --run sbc-n100-p0.1 exchange.method=sbc exchange.delay=100 exchange.density=0.1
+  ;;&
+embedding|all)
+  # Issue 4: the embedding-row path needs untied input embeddings (the recipes tie all three). Dropping 99%
+  # with untied embeddings, rows exchanged as (row id, row) vs through the sparse path, and dense.
+  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+    --runs-dir models/compare-embedding --out docs/results-embedding.md --plots docs/plots/embedding \
+    "${COMMON[@]}" --common model.tie_embeddings=none \
+    --run dense-untied exchange.method=dense \
+    --run dropping-99-rows exchange.method=dropping exchange.drop_ratio=0.99 exchange.embedding_rows=true \
+    --run dropping-99-no-rows exchange.method=dropping exchange.drop_ratio=0.99 exchange.embedding_rows=false
+  ;;&
+dgs|all)
+  # Issue 7: asynchronous dense / one-way / DGS against synchronous dropping and local_mix at 600 worker
+  # gradients, and a straggler (600 ms per step) in each mode; writes the table into docs/dgs.md.
+  $PY bench/dgs_experiments.py --gradients $((2 * STEPS)) --straggler-ms 600
   ;;&
 netbed|all)
   # Issue 3: dense exchange on the bandwidth-limited test bed, 2 and 4 hosts (one worker each).

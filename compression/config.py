@@ -48,7 +48,6 @@ class ExchangeConfig:
     dgs_mode: str = "dual"  # dual (sparse push + sparse pull) | one_way (sparse push, dense pull) | dense
     dgs_pull_density: float = 0.0  # density of the server's replies; 0 = the push density
     dgs_deterministic: bool = False  # serve workers in fixed round-robin order (reproducible; tests)
-    dgs_slow_worker_ms: int = 0  # deliberate sleep per step on worker rank 1 (slow-worker experiment)
 
     def validate(self) -> None:
         """Raise ValueError naming the key for any out-of-range option."""
@@ -87,7 +86,6 @@ class ExchangeConfig:
         if self.dgs_mode not in ("dual", "one_way", "dense"):
             raise ValueError(f"exchange.dgs_mode must be dual | one_way | dense, got {self.dgs_mode!r}")
         if not 0.0 <= self.dgs_pull_density <= 1.0:
-            raise ValueError(f"exchange.dgs_pull_density must be in [0, 1] (0 = push density), "
-                             f"got {self.dgs_pull_density}")
-        if self.dgs_slow_worker_ms < 0:
-            raise ValueError(f"exchange.dgs_slow_worker_ms must be >= 0, got {self.dgs_slow_worker_ms}")
+            raise ValueError(
+                f"exchange.dgs_pull_density must be in [0, 1] (0 = push density), got {self.dgs_pull_density}"
+            )

@@ -31,8 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", "-c", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=3e-4")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="local worker processes (default: train.workers); ignored under torchrun")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="local worker processes (default: train.workers); ignored under torchrun",
+    )
     parser.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     return parser
 
@@ -97,8 +101,11 @@ def run_worker(config) -> int:
     except (CorpusError, FileNotFoundError, ConfigError) as err:
         return _fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
-        return _fail(f"rank {info.rank}: interrupted; resume with the same command (checkpoints in "
-                     f"{config.model_dir})", 130)
+        return _fail(
+            f"rank {info.rank}: interrupted; resume with the same command (checkpoints in "
+            f"{config.model_dir})",
+            130,
+        )
     except RuntimeError as err:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         if info.world_size > 1 and _is_collective_failure(err):

@@ -787,14 +787,12 @@ class WorkerLoop:
         self.selector = _selector(config, info.rank)
         self.server_step = 0  # server updates as of the last reply
         self.awaiting = False  # True: the last push is out, a reply comes next
+        # bf16 autocast on CUDA and on CPUs (as the synchronous trainer); fp16 is refused at load time.
         self.autocast = nullcontext()
-        if common.device.type == "cuda" and config.train.precision == "bf16":
-            self.autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        elif config.train.precision != "fp32" and common.device.type != "cuda":
-            raise ConfigError(
-                f"train.precision={config.train.precision} needs CUDA; use train.precision=fp32"
-            )
-        self.slow_s = config.exchange.dgs_slow_worker_ms / 1000.0 if info.rank == 1 else 0.0
+        if config.train.precision == "bf16":
+            self.autocast = torch.autocast(common.device.type, dtype=torch.bfloat16)
+        last_worker = info.rank == info.world_size - 1
+        self.straggler_s = config.train.straggler_ms / 1000.0 if last_worker else 0.0
         self.writer = common.writer()
         resume = find_resume_dir(Path(config.model_dir)) if config.train.resume else None
         if resume is not None:
@@ -880,8 +878,8 @@ class WorkerLoop:
         else:
             density = warmup_density(ex.drop_ratio, ex.warmup_steps, self.server_step)
             update = self.samomentum.push(grad, self.selector, density)
-        if self.slow_s:
-            time.sleep(self.slow_s)  # exchange.dgs_slow_worker_ms: the slow-worker experiment
+        if self.straggler_s:
+            time.sleep(self.straggler_s)  # train.straggler_ms: the slow-worker experiment
         return update, tokens, loss_sum, nll_sum
 
     def save(self, step: int) -> None:

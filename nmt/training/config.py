@@ -33,6 +33,9 @@ class TrainConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     collective_timeout_s: float = 300.0
     progress: bool = True
+    # The last worker sleeps this long before each step: a deliberate straggler, to measure what waiting for
+    # the slowest worker costs (synchronous) and what asynchrony buys (exchange.method dgs).
+    straggler_ms: int = 0
 
     def validate(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -61,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"train.log_every must be >= 1, got {self.log_every}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.straggler_ms < 0:
+            raise ValueError(f"train.straggler_ms must be >= 0, got {self.straggler_ms}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
 

@@ -173,6 +173,8 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.exchange = build_exchange(config.exchange)
+        last_worker = info.rank == info.world_size - 1
+        self.straggler_s = train.straggler_ms / 1000.0 if last_worker and info.world_size > 1 else 0.0
         self.ema = self.flat.params.detach().clone() if train.ema_decay > 0 else None
 
         # bf16 autocast also pays off on CPUs with AVX512-BF16/AMX (2.6x matmul throughput measured here);
@@ -342,6 +344,8 @@ class Trainer:
         stop = False
         while not stop:
             micro = [next(batch_iter).to(self.device) for _ in range(train.optimizer_delay)]
+            if self.straggler_s:
+                time.sleep(self.straggler_s)  # train.straggler_ms: the straggler experiment
             wall = time.perf_counter() - start
             vote = self._limit_reached(wall, upcoming_step=self.state.step + 1)
             result = self.train_step(micro, stop_vote=vote)
@@ -363,6 +367,7 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": result.grad_norm,
                     "bytes_sent": self.state.bytes_sent,
+                    "bytes_received": self.state.bytes_received,
                     "density": result.stats.density,
                 }
                 self.metrics.write(row)

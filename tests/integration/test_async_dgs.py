@@ -22,12 +22,12 @@ def _dgs(**options: object) -> dict:
 
 
 def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
-    # Arrival order, and worker rank 1 sleeps 100 ms per step: the other worker must not wait for it.
+    # Arrival order, and the last worker (rank 2) sleeps 100 ms per step: the other must not wait for it.
     extra = {
-        "exchange": _dgs(dgs_slow_worker_ms=100),
+        "exchange": _dgs(),
         "valid": {"every": 40, "beam_size": 1, "test_at_end": False},
     }
-    config = write_config(_extra=extra, max_steps=80, log_every=20, **SGD)
+    config = write_config(_extra=extra, max_steps=80, log_every=20, straggler_ms=100, **SGD)
     done = run_cli("nmt.cli.train", "--config", str(config), "--workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 worker(s) + parameter server" in done.stderr
@@ -35,7 +35,7 @@ def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [20, 40, 60, 80]
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
-    slow, fast = train[-1]["pushes"]
+    fast, slow = train[-1]["pushes"]
     assert slow + fast == 80 and fast > slow
     # bytes: sparse pairs up (8 bytes each, density 0.1 => about 0.8 bytes per parameter and push), sparse
     # pulls down plus dense refreshes every > 30 server updates; cumulative totals

@@ -47,10 +47,14 @@ def test_two_workers_train_and_resume_exactly(write_config, tmp_path):
 
 
 def test_resume_with_other_worker_count_is_refused(write_config, tmp_path):
+    # train.straggler_ms: the last worker sleeps 200 ms before each step and rank 0 waits for it every step
     config = write_config(
-        _extra={"valid": {"every": 0, "test_at_end": False, "translate": False}}, max_steps=5
+        _extra={"valid": {"every": 0, "test_at_end": False, "translate": False}},
+        max_steps=5,
+        straggler_ms=200,
     )
     assert run_cli("nmt.cli.train", "--config", str(config), "--workers", "2").returncode == 0
+    assert [r for r in metrics(tmp_path / "model") if r["kind"] == "train"][-1]["wall_s"] >= 5 * 0.2
     again = run_cli("nmt.cli.train", "--config", str(config), "train.max_steps=10")
     assert again.returncode != 0
     assert "written by 2 workers but this run has 1" in again.stderr
