@@ -78,9 +78,10 @@ netbed|all)
     --json docs/netbed-train-dense.jsonl --out docs/netbed-train-dense.md
   ;;&
 netbed-methods|all)
-  # Issue 4: every method's step time at 1 Gbit/s, 2 hosts.
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 10 \
-    --vocab models/bible-es-en/spm.model \
+  # Issue 4: every method's steady-state step time at 1 Gbit/s, 2 hosts (warm-ups off, so the bytes are those
+  # of the sparse steps). VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 20 \
+    --vocab "${VOCAB:-models/bible-es-en/spm.model}" --common exchange.warmup_steps=0 \
     --run dense exchange.method=dense \
     --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
     --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
@@ -88,6 +89,17 @@ netbed-methods|all)
     --run local_mix-replace exchange.method=local_mix \
     --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 \
     --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
+  ;;&
+netbed-methods-rnn|all)
+  $PY bench/netbed_train.py --config recipes/bible-es-en-rnn.yml --hosts 2 --bandwidth 1gbit --steps 20 \
+    --vocab "${VOCAB_RNN:-models/bible-es-en-rnn/spm.model}" --common exchange.warmup_steps=0 \
+    --run dense exchange.method=dense \
+    --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
+    --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
+    --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2 \
+    --run local_mix-replace exchange.method=local_mix \
+    --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 \
+    --json docs/netbed-train-methods-rnn.jsonl --out docs/netbed-train-methods-rnn.md
   ;;&
 multinode|all)
   # Issue 3: two bed hosts, each its own torchrun agent (c10d rendezvous over the 1 Gbit/s bridge).

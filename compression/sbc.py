@@ -12,7 +12,8 @@ Contract with the training step (see design.md "The update step"):
   ΔW = W − W_sync + residual, all ranks all-gather the byte streams, decode all of them, and set
   W = W_sync + mean_j decode(msg_j). All ranks end the round with bit-identical parameters.
 * `synchronize_params` mid-round runs that round early (so replicas are identical before validation
-  and checkpoints); at the very first call (no W_sync yet) it averages parameters densely once.
+  and checkpoints); at the very first call (no W_sync yet) it checks that replicas agree (32 bytes) and
+  averages parameters densely only if they do not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from compression.config import ExchangeConfig
-from compression.dense import average_parameters
+from compression.dense import average_parameters, replicas_identical
 from compression.golomb import choose_rice_parameter, gaps_of, max_encoded_bytes, rice_decode, rice_encode
 from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
@@ -355,8 +356,13 @@ class SparseBinaryCompression:
 
     @torch.no_grad()
     def _start(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        """First call: no W_sync yet, so average parameters densely once and make that W_sync."""
-        stats = average_parameters(flat_params, ctx)
+        """First call: no W_sync yet. Replicas that already agree (the trainers seed every rank alike) cost a
+        32-byte check; otherwise the parameters are averaged densely once. The result is W_sync."""
+        identical, stats = replicas_identical(flat_params, ctx)
+        if identical:
+            stats.extra["params_unchanged"] = 1.0  # nothing to average (the trainer skips its EMA average)
+        else:
+            stats = stats.merge(average_parameters(flat_params, ctx))
         self.params_at_last_sync = flat_params.clone()
         if self.residual is None or self.residual.numel() != flat_params.numel():
             self.residual = torch.zeros_like(self.params_at_last_sync)

@@ -483,7 +483,8 @@ class Trainer:
         """
         stats = self.exchange.synchronize_params(self.flat.params, self.context())
         self._mask_sent_momentum(stats)
-        if stats.bytes_sent > 0 and self.ema is not None and self.info.world_size > 1:
+        averaged = stats.bytes_sent > 0 and not stats.extra.get("params_unchanged")
+        if averaged and self.ema is not None and self.info.world_size > 1:
             dist.all_reduce(self.ema, group=self.group)
             self.ema.div_(self.info.world_size)
             stats.bytes_sent += self.ema.numel() * self.ema.element_size()

@@ -231,7 +231,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         dense_params, dense = initial_params(0), DenseAllReduce()  # dense path starts from identical params
         sbc_params = initial_params(0)
         exchange = sbc(delay=1, density=1.0, sbc_binarize=False)
-        exchange.synchronize_params(sbc_params, ctx)
+        start = exchange.synchronize_params(sbc_params, ctx)  # identical replicas: a 32-byte check only
+        results["identical_start"] = (start.bytes_sent, start.extra.get("params_unchanged", 0.0))
+        results["identical_start_params"] = torch.equal(sbc_params, initial_params(0))
         for step in range(1, 4):
             grad = local_gradient(rank, step)
             dense.reduce(grad, ctx)
@@ -245,7 +247,8 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         # (2) delay 3, binarized, p = 0.05, momentum SGD inside the test: replicas agree after each round.
         params = initial_params(rank)  # different on purpose
         exchange = sbc(delay=3, density=0.05)
-        exchange.synchronize_params(params, ctx)
+        start = exchange.synchronize_params(params, ctx)
+        results["different_start"] = (start.bytes_sent, start.extra.get("params_unchanged", 0.0))
         results["after_start"] = params.clone()
         velocity = torch.zeros(NUMEL)
         rounds, between, stats_log = [], [], []
@@ -286,6 +289,14 @@ def gloo_results() -> list[dict]:
 def test_delay1_density1_without_binarization_equals_dense(gloo_results: list[dict]) -> None:
     for result in gloo_results:
         torch.testing.assert_close(result["sbc_dense"], result["dense"], rtol=0, atol=1e-6)
+
+
+def test_start_checks_replicas_and_averages_only_when_they_differ(gloo_results: list[dict]) -> None:
+    for result in gloo_results:
+        assert result["identical_start"] == (32, 1.0) and result["identical_start_params"]
+        assert result["different_start"] == (32 + NUMEL * 4, 0.0)  # the check, then a dense fp32 average
+    expected = (initial_params(0) + initial_params(1)) / 2
+    torch.testing.assert_close(gloo_results[0]["after_start"], expected, rtol=0, atol=1e-6)
 
 
 def test_replicas_identical_after_each_round(gloo_results: list[dict]) -> None:
