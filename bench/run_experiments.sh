@@ -43,7 +43,8 @@ rnn|all)
 sbc|all)
   # Issue 6: SBC's three presets against dense and dropping 99%, and a delay x density grid at a fixed
   # communication budget (density / delay = 0.001 of the entries per step: n1-p0.001 = no-delay,
-  # n10-p0.01 = delay-10, then n30-p0.03 and n100-p0.1).
+  # n10-p0.01 = delay-10, then n50-p0.05 and n100-p0.1). Every delay divides valid.every (100), so no round is
+  # run early for a validation.
   $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
     --runs-dir models/compare-sbc --out docs/results-sbc.md --plots docs/plots/sbc \
     "${COMMON[@]}" \
@@ -52,7 +53,7 @@ sbc|all)
     --run sbc-no-delay exchange.method=sbc exchange.preset=no-delay \
     --run sbc-delay-10 exchange.method=sbc exchange.preset=delay-10 \
     --run sbc-delay-100 exchange.method=sbc exchange.preset=delay-100 \
-    --run sbc-n30-p0.03 exchange.method=sbc exchange.delay=30 exchange.density=0.03 \
+    --run sbc-n50-p0.05 exchange.method=sbc exchange.delay=50 exchange.density=0.05 \
     --run sbc-n100-p0.1 exchange.method=sbc exchange.delay=100 exchange.density=0.1
   ;;&
 embedding|all)
