@@ -41,14 +41,14 @@ rnn|all)
         train.clip_norm=0 exchange.local_clip_norm=1.0
   ;;&
 sbc|all)
-  # Issue 6: SBC's three presets against dense and dropping 99%, and a delay x density grid at a fixed
+  # Issue 6: SBC's three presets against dropping 99% (dense: the transformer block's run, same settings),
+  # and a delay x density grid at a fixed
   # communication budget (density / delay = 0.001 of the entries per step: n1-p0.001 = no-delay,
   # n10-p0.01 = delay-10, then n50-p0.05 and n100-p0.1). Every delay divides valid.every (100), so no round is
   # run early for a validation.
   $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
     --runs-dir models/compare-sbc --out docs/results-sbc.md --plots docs/plots/sbc \
     "${COMMON[@]}" \
-    --run dense exchange.method=dense \
     --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 \
     --run sbc-no-delay exchange.method=sbc exchange.preset=no-delay \
     --run sbc-delay-10 exchange.method=sbc exchange.preset=delay-10 \
@@ -58,18 +58,23 @@ sbc|all)
   ;;&
 embedding|all)
   # Issue 4: the embedding-row path needs untied input embeddings (the recipes tie all three). Dropping 99%
-  # with untied embeddings, rows exchanged as (row id, row) vs through the sparse path, and dense.
+  # with untied embeddings, rows exchanged as (row id, row) vs through the sparse path.
   $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
     --runs-dir models/compare-embedding --out docs/results-embedding.md --plots docs/plots/embedding \
     "${COMMON[@]}" --common model.tie_embeddings=none \
-    --run dense-untied exchange.method=dense \
     --run dropping-99-rows exchange.method=dropping exchange.drop_ratio=0.99 exchange.embedding_rows=true \
     --run dropping-99-no-rows exchange.method=dropping exchange.drop_ratio=0.99 exchange.embedding_rows=false
   ;;&
 dgs|all)
   # Issue 7: asynchronous dense / one-way / DGS against synchronous dropping and local_mix at 600 worker
   # gradients, and a straggler (600 ms per step) in each mode; writes the table into docs/dgs.md.
-  $PY bench/dgs_experiments.py --gradients $((2 * STEPS)) --straggler-ms 600
+  # sync-dropping is the sbc block's dropping-99-global run (the same settings), linked rather than rerun.
+  mkdir -p models/dgs-experiments
+  if [ -d models/compare-sbc/dropping-99-global ]; then
+    ln -sfn ../compare-sbc/dropping-99-global models/dgs-experiments/sync-dropping
+  fi
+  $PY bench/dgs_experiments.py --gradients $((2 * STEPS)) --straggler-ms 600 \
+    --runs dense one_way dual dual-straggler sync-local_mix sync-local_mix-straggler
   ;;&
 netbed|all)
   # Issue 3: dense exchange on the bandwidth-limited test bed, 2 and 4 hosts (one worker each).
