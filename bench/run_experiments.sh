@@ -84,10 +84,10 @@ netbed|all)
     --json docs/netbed-train-dense.jsonl --out docs/netbed-train-dense.md
   ;;&
 netbed-methods|all)
-  # Issue 4: every method's steady-state step time at 1 Gbit/s, 2 hosts (warm-ups off, so the bytes are those
-  # of the sparse steps). VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 20 \
-    --vocab "${VOCAB:-models/bible-es-en/spm.model}" --common exchange.warmup_steps=0 \
+  # Issue 4: every method's step time at 1 Gbit/s, 2 hosts (10 steps: inside the recipe's warm-ups).
+  # VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 10 \
+    --vocab "${VOCAB:-models/bible-es-en/spm.model}" \
     --run dense exchange.method=dense \
     --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
     --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
@@ -97,6 +97,7 @@ netbed-methods|all)
     --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
   ;;&
 netbed-methods-rnn|all)
+  # The same for the RNN, at steady state: warm-ups off, 20 steps, so the bytes are those of sparse steps.
   $PY bench/netbed_train.py --config recipes/bible-es-en-rnn.yml --hosts 2 --bandwidth 1gbit --steps 20 \
     --vocab "${VOCAB_RNN:-models/bible-es-en-rnn/spm.model}" --common exchange.warmup_steps=0 \
     --run dense exchange.method=dense \
