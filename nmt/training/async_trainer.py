@@ -518,7 +518,8 @@ class ServerLoop:
             self.link.send(w + 1, SAVE, [0, step])
         ema_state = None
         if self.ema is not None:
-            ema_state = {s.name: self.ema[s.offset : s.end].view(s.shape) for s in self.common.flat.layout}
+            with self._eval_weights():  # state_dict() names tied parameters under every alias
+                ema_state = {k: v.detach().clone() for k, v in self.common.model.state_dict().items()}
         state = {
             "role": "server",
             "server": self.server.state_dict(),

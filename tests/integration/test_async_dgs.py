@@ -23,11 +23,13 @@ def _dgs(**options: object) -> dict:
 
 def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
     # Arrival order, and the last worker (rank 2) sleeps 100 ms per step: the other must not wait for it.
+    # Smoothed weights of a model with tied embeddings; the test step loads them from the best checkpoint.
     extra = {
         "exchange": _dgs(),
-        "valid": {"every": 40, "beam_size": 1, "test_at_end": False},
+        "valid": {"every": 40, "beam_size": 1, "test_at_end": True},
+        "decode": {"beam_size": 1},
     }
-    config = write_config(_extra=extra, max_steps=80, log_every=20, straggler_ms=100, **SGD)
+    config = write_config(_extra=extra, max_steps=80, log_every=20, straggler_ms=100, ema_decay=0.9, **SGD)
     done = run_cli("nmt.cli.train", "--config", str(config), "--workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 worker(s) + parameter server" in done.stderr
@@ -53,6 +55,10 @@ def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
     server = torch.load(ckpt / "state-rank0.pt", weights_only=False)
     assert server["role"] == "server" and tuple(server["server"]["pending"].shape) == (2, n_params)
     assert worker["role"] == "worker" and worker["data"]["epoch"] >= 1
+    test = [r for r in rows if r["kind"] == "test"]
+    assert len(test) == 1 and "bleu" in test[0]
+    saved = torch.load(ckpt / "model.pt", weights_only=True)
+    assert saved["ema"].keys() == saved["model"].keys()  # every tied alias, as the synchronous trainer saves
 
 
 def test_resumed_server_continues_the_same_trajectory(write_config, tmp_path):
