@@ -8,37 +8,30 @@ STEPS=${STEPS:-300}
 COMMON=(--common "train.max_wall_s=0" --common "train.max_steps=$STEPS" --common "valid.every=100"
         --common "valid.max_sentences=300" --common "valid.beam_size=1" --common "decode.beam_size=1"
         --common "train.log_every=25" --common "valid.early_stopping=0")
+# Issue 4's method comparison, the same runs for the Transformer and the RNN.
+METHODS=(
+  --run dense exchange.method=dense
+  --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=global
+  --run dropping-99-layer exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=layer
+  --run dropping-99.9-global exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=global
+  --run dropping-99.9-layer exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=layer
+  --run dropping-99-2bit exchange.method=dropping exchange.drop_ratio=0.99 exchange.quantize_bits=2
+  --run local_mix-sum exchange.method=local_mix exchange.local_mode=sum
+  --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace
+  --run dgc exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3
+  train.clip_norm=0 exchange.local_clip_norm=1.0
+)
 
 case "${1:-all}" in
 transformer|all)
   $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
     --runs-dir models/compare-transformer --out docs/results-transformer.md --plots docs/plots/transformer \
-    "${COMMON[@]}" \
-    --run dense exchange.method=dense \
-    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=global \
-    --run dropping-99-layer exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=layer \
-    --run dropping-99.9-global exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=global \
-    --run dropping-99.9-layer exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=layer \
-    --run dropping-99-2bit exchange.method=dropping exchange.drop_ratio=0.99 exchange.quantize_bits=2 \
-    --run local_mix-sum exchange.method=local_mix exchange.local_mode=sum \
-    --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace \
-    --run dgc exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3 \
-        train.clip_norm=0 exchange.local_clip_norm=1.0
+    "${COMMON[@]}" "${METHODS[@]}"
   ;;&
 rnn|all)
   $PY bench/compare_methods.py --config recipes/bible-es-en-rnn.yml --workers 2 --skip-existing \
     --runs-dir models/compare-rnn --out docs/results-rnn.md --plots docs/plots/rnn \
-    "${COMMON[@]}" \
-    --run dense exchange.method=dense \
-    --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 \
-    --run dropping-99-layer exchange.method=dropping exchange.drop_ratio=0.99 exchange.threshold=layer \
-    --run dropping-99.9-global exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=global \
-    --run dropping-99.9-layer exchange.method=dropping exchange.drop_ratio=0.999 exchange.threshold=layer \
-    --run dropping-99-2bit exchange.method=dropping exchange.drop_ratio=0.99 exchange.quantize_bits=2 \
-    --run local_mix-sum exchange.method=local_mix exchange.local_mode=sum \
-    --run local_mix-replace exchange.method=local_mix exchange.local_mode=replace \
-    --run dgc exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3 \
-        train.clip_norm=0 exchange.local_clip_norm=1.0
+    "${COMMON[@]}" "${METHODS[@]}"
   ;;&
 sbc|all)
   # Issue 6: SBC's three presets against dropping 99% (dense: the transformer block's run, same settings),
