@@ -22,6 +22,15 @@ METHODS=(
   train.clip_norm=0 exchange.local_clip_norm=1.0
 )
 
+# The methods timed on the test bed (netbed-methods blocks), the same for the Transformer and the RNN.
+NETBED_METHODS=(
+  --run dense exchange.method=dense
+  --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99
+  --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999
+  --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2
+  --run local_mix-replace exchange.method=local_mix
+  --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0
+)
 case "${1:-all}" in
 transformer|all)
   $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
@@ -81,24 +90,14 @@ netbed-methods|all)
   # VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
   $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 10 \
     --vocab "${VOCAB:-models/bible-es-en/spm.model}" \
-    --run dense exchange.method=dense \
-    --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
-    --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
-    --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2 \
-    --run local_mix-replace exchange.method=local_mix \
-    --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 \
+    "${NETBED_METHODS[@]}" \
     --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
   ;;&
 netbed-methods-rnn|all)
   # The same for the RNN, at steady state: warm-ups off, 20 steps, so the bytes are those of sparse steps.
   $PY bench/netbed_train.py --config recipes/bible-es-en-rnn.yml --hosts 2 --bandwidth 1gbit --steps 20 \
     --vocab "${VOCAB_RNN:-models/bible-es-en-rnn/spm.model}" --common exchange.warmup_steps=0 \
-    --run dense exchange.method=dense \
-    --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 \
-    --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
-    --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2 \
-    --run local_mix-replace exchange.method=local_mix \
-    --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 \
+    "${NETBED_METHODS[@]}" \
     --json docs/netbed-train-methods-rnn.jsonl --out docs/netbed-train-methods-rnn.md
   ;;&
 multinode|all)
