@@ -96,8 +96,7 @@ def run_worker(config) -> int:
     device = select_device(config, info)
     try:
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
-        trainer = Trainer(config, info, device)
-        trainer.fit()
+        _fit(Trainer, config, info, device)
     except (CorpusError, FileNotFoundError, ConfigError) as err:
         return _fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
@@ -118,6 +117,11 @@ def run_worker(config) -> int:
     finally:
         destroy_process_group()
     return 0
+
+
+def _fit(trainer_class, config, info, device) -> None:
+    """Build and run the trainer in a frame of its own, so that nothing holds it once training ends."""
+    trainer_class(config, info, device).fit()
 
 
 def _is_collective_failure(err: BaseException) -> bool:

@@ -33,6 +33,7 @@ exactly there. At the stop the server checkpoints, then tells every worker to fi
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import random
@@ -141,9 +142,7 @@ def run_rank(config: Config) -> int:
     role = "parameter server" if info.rank == 0 else "worker"
     try:
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
-        common = Common.build(config, info, device)
-        loop = ServerLoop(config, info, common) if info.rank == 0 else WorkerLoop(config, info, common)
-        loop.run()
+        _run_role(config, info, device)
     except PeerFailure as err:
         return _fail(
             f"rank {info.rank} ({role}): {err}; resume from the last checkpoint in {config.model_dir}", 1
@@ -171,6 +170,13 @@ def run_rank(config: Config) -> int:
     finally:
         destroy_process_group()
     return 0
+
+
+def _run_role(config: Config, info: WorkerInfo, device: torch.device) -> None:
+    """Build and run this rank's loop in a frame of its own, so nothing holds it (or the group) afterwards."""
+    common = Common.build(config, info, device)
+    loop = ServerLoop(config, info, common) if info.rank == 0 else WorkerLoop(config, info, common)
+    loop.run()
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
@@ -238,13 +244,17 @@ class Link:
         if payload is not None and payload.numel():
             dist.send(payload.to(self.comm).contiguous(), dst, tag=TAG_PAYLOAD)
 
-    def recv_header(self, src: int) -> torch.Tensor:
+    def recv_header(self, src: int, timeout_s: float | None = None) -> torch.Tensor:
+        """The next header from `src`; `timeout_s` (gloo only) waits longer than the group's timeout."""
         if src in self._posted:
             work, header = self._posted.pop(src)
             work.wait()
             return header.cpu()
         header = torch.zeros(HEADER_WORDS, dtype=torch.float64, device=self.comm)
-        dist.recv(header, src, tag=TAG_HEADER)
+        if timeout_s is not None and self.any_source:
+            dist.irecv(header, src, tag=TAG_HEADER).wait(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.recv(header, src, tag=TAG_HEADER)
         return header.cpu()
 
     def recv_header_any(self, sources: list[int]) -> tuple[int, torch.Tensor]:
@@ -485,15 +495,25 @@ class ServerLoop:
         kind = KINDS.get(int(code))
         if kind not in (SPARSE, DENSE):
             raise PeerFailure(f"protocol error: worker rank {worker + 1} sent message code {int(code)}")
-        payload = self.link.recv_payload(worker + 1, Update.words(kind, int(count))).to(self.common.device)
-        update = Update.unpack(kind, payload, int(count), int(selected))
+        try:
+            payload = self.link.recv_payload(worker + 1, Update.words(kind, int(count)))
+        except RuntimeError as err:  # it stopped between its header and its payload
+            raise PeerFailure(
+                f"{self._silence_message([worker + 1])} (its push stopped half way: {_cause(err)})"
+            ) from None
+        update = Update.unpack(kind, payload.to(self.common.device), int(count), int(selected))
         return Push(worker, update, int(tokens), loss_sum, nll_sum, int(epoch))
 
     def reply(self, worker: int, interval: _Interval) -> None:
         ex = self.config.exchange
         density = ex.dgs_pull_density or warmup_density(ex.drop_ratio, ex.warmup_steps, self.server.step)
         update = self.server.pull(worker, self.selector if self.mode == "dual" else None, density)
-        self.link.send(worker + 1, CODES[update.kind], [update.count, self.server.step], update.pack())
+        try:
+            self.link.send(worker + 1, CODES[update.kind], [update.count, self.server.step], update.pack())
+        except RuntimeError as err:  # a hung worker stops reading; its socket fills and the send times out
+            raise PeerFailure(
+                f"could not send worker rank {worker + 1} its reply ({_cause(err)}): it died or hangs"
+            ) from None
         self.run_state.bytes_down += update.payload_bytes
         self.run_state.pulls += 1
         interval.add_pull(update, self.server.params.numel())
@@ -822,16 +842,19 @@ class WorkerLoop:
 
     def wait_reply(self) -> bool:
         """Wait for the server: apply a model difference (True), or save and keep waiting, or stop (False)."""
+        # Twice the limit: the server may itself be waiting up to the limit on a worker that hangs, and it is
+        # the one that can name that worker, so it must get to report first.
+        limit = 2 * self.link.timeout_s
         while True:
             try:
-                header = self.link.recv_header(0)
+                header = self.link.recv_header(0, timeout_s=limit)
             except RuntimeError as err:
                 cause = _cause(err)
                 if cause != "timed out":
                     raise PeerFailure(f"lost the parameter server (rank 0): {cause}") from None
                 raise PeerFailure(
-                    f"no reply from the parameter server (rank 0) within train.collective_timeout_s="
-                    f"{self.link.timeout_s:g} s"
+                    f"no reply from the parameter server (rank 0) within {limit:g} s "
+                    f"(twice train.collective_timeout_s)"
                 ) from None
             code, count, step = int(header[0]), int(header[1]), int(header[2])
             if code == STOP:

@@ -8,6 +8,7 @@ the job exits with a message naming the rank, instead of hanging in a collective
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -49,6 +50,11 @@ def init_process_group(info: WorkerInfo, device: torch.device, backend: str, tim
     """Join the job's process group (env:// rendezvous); no-op for a single process."""
     if info.world_size == 1 or dist.is_initialized():
         return
+    # Imported before the group exists: imported after (torch.optim does that lazily), torch._dynamo keeps
+    # a reference to the group (seen with torch 2.13), so destroy_process_group cannot stop gloo's threads
+    # and they die half-way at interpreter exit: "terminate called without an active exception", exit -6.
+    import torch._dynamo  # noqa: F401
+
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}
@@ -65,8 +71,18 @@ def init_process_group(info: WorkerInfo, device: torch.device, backend: str, tim
 
 
 def destroy_process_group() -> None:
+    """Leave the process group and stop its communication threads before the interpreter shuts down.
+
+    `dist.destroy_process_group` only unregisters the group: its threads stop when the last reference to it
+    goes. If that happens during interpreter shutdown, gloo's threads are torn down half-way and a run that
+    succeeded aborts ("terminate called without an active exception"). So callers drop their trainer
+    first (it holds the group; see `nmt.cli.train.run_worker`), the reference cycles it sat in are
+    collected here, and `init_process_group` keeps torch._dynamo from holding the group.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def free_port() -> int:

@@ -32,3 +32,50 @@ def metrics(model_dir: Path) -> list[dict]:
 
 def train_losses(model_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in metrics(model_dir) if row["kind"] == "train"}
+
+
+_RANK_SCRIPT = """
+import os, sys
+from nmt.config import load_config
+entry = sys.argv[2]
+if entry == "sync":
+    from nmt.cli.train import run_worker as run
+else:
+    from nmt.training.async_trainer import run_rank as run
+code = run(load_config(sys.argv[1]))
+threads = sorted({open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")})
+print("threads after the run: " + ",".join(threads), flush=True)
+sys.exit(code)
+"""
+
+
+def run_ranks_listing_threads(config: Path, world_size: int, entry: str) -> list[subprocess.CompletedProcess]:
+    """Run each rank's entry point (`sync` trainer or `async` DGS) in its own process, as the launcher does;
+    every rank prints the names of the threads it still has once that entry point has returned."""
+    from nmt.training.distributed import free_port
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT, str(config), entry],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+            },
+        )
+        for rank in range(world_size)
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
