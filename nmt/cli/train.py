@@ -12,9 +12,10 @@ import sys
 
 import torch
 
-from nmt.config import ConfigError, dump_config, load_config
+from nmt.config import Config, ConfigError, dump_config, load_config
 from nmt.data.corpus import CorpusError
 from nmt.training.distributed import (
+    WorkerInfo,
     destroy_process_group,
     init_process_group,
     launch_local_workers,
@@ -119,7 +120,7 @@ def run_worker(config) -> int:
     return 0
 
 
-def _fit(trainer_class, config, info, device) -> None:
+def _fit(trainer_class: type, config: Config, info: WorkerInfo, device: torch.device) -> None:
     """Build and run the trainer in a frame of its own, so that nothing holds it once training ends."""
     trainer_class(config, info, device).fit()
 
