@@ -82,7 +82,6 @@ def destroy_process_group() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-        gc.collect()
 
 
 def free_port() -> int:
