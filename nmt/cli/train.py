@@ -89,7 +89,7 @@ def _without_workers_flag(argv: list[str]) -> list[str]:
 
 def run_worker(config) -> int:
     """Train as this process's rank; returns the exit code."""
-    from nmt.training.trainer import Trainer, select_device
+    from nmt.training.trainer import select_device
 
     info = worker_info_from_env()
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
@@ -97,7 +97,7 @@ def run_worker(config) -> int:
     device = select_device(config, info)
     try:
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
-        _fit(Trainer, config, info, device)
+        _fit(config, info, device)
     except (CorpusError, FileNotFoundError, ConfigError) as err:
         return _fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
@@ -120,9 +120,11 @@ def run_worker(config) -> int:
     return 0
 
 
-def _fit(trainer_class: type, config: Config, info: WorkerInfo, device: torch.device) -> None:
+def _fit(config: Config, info: WorkerInfo, device: torch.device) -> None:
     """Build and run the trainer in a frame of its own, so that nothing holds it once training ends."""
-    trainer_class(config, info, device).fit()
+    from nmt.training.trainer import Trainer
+
+    Trainer(config, info, device).fit()
 
 
 def _is_collective_failure(err: BaseException) -> bool:

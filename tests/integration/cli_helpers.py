@@ -49,9 +49,10 @@ sys.exit(code)
 """
 
 
-def run_ranks_listing_threads(config: Path, world_size: int, entry: str) -> list[subprocess.CompletedProcess]:
+def threads_left_after_run(config: Path, world_size: int, entry: str) -> list[str]:
     """Run each rank's entry point (`sync` trainer or `async` DGS) in its own process, as the launcher does;
-    every rank prints the names of the threads it still has once that entry point has returned."""
+    returns, per rank, the names of the threads it still has once that entry point has returned (the run must
+    succeed)."""
     from nmt.training.distributed import free_port
 
     port = free_port()
@@ -74,8 +75,9 @@ def run_ranks_listing_threads(config: Path, world_size: int, entry: str) -> list
         )
         for rank in range(world_size)
     ]
-    done = []
+    left = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
+        assert proc.returncode == 0, err[-2000:]
+        left.append(out.split("threads after the run: ")[-1])
+    return left
