@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+
+# Runs in the asynchronous trainer (nmt/training/async_trainer.py), not through the method registry.
+ASYNC_METHODS = ("dgs",)
 
 
 @dataclass
 class ExchangeConfig:
     """Options of every exchange method; each method reads the ones it documents.
 
-    method: dense | dropping | local_mix | dgc | sbc (see `compression.available_methods()`).
+    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd (see
+    `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
     method: str = "dense"
@@ -48,9 +53,22 @@ class ExchangeConfig:
     dgs_mode: str = "dual"  # dual (sparse push + sparse pull) | one_way (sparse push, dense pull) | dense
     dgs_pull_density: float = 0.0  # density of the server's replies; 0 = the push density
     dgs_deterministic: bool = False  # serve workers in fixed round-robin order (reproducible; tests)
+    # powersgd (Vogels et al. 2019): see docs/baselines.md. Q's random start is seeded by sample_seed
+    powersgd_rank: int = 4  # rank r of the low-rank approximation P Q^T of each matrix
+    powersgd_start_step: int = 10  # plain fp32 all-reduce for the first steps (torch's start_powerSGD_iter)
+    powersgd_min_compression_rate: float = 2.0  # compress an n x m matrix only if n*m > rate * (n+m) * r
 
     def validate(self) -> None:
         """Raise ValueError naming the key for any out-of-range option."""
+        from compression.registry import available_methods  # here: the registry imports this module
+
+        methods = sorted({*available_methods(), *ASYNC_METHODS})
+        if self.method not in methods:
+            near = difflib.get_close_matches(str(self.method), methods, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(
+                f"exchange.method: unknown method {self.method!r}{hint} (available: {', '.join(methods)})"
+            )
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ValueError(f"exchange.drop_ratio must be in [0, 1), got {self.drop_ratio}")
         if self.threshold not in ("global", "layer"):
@@ -81,6 +99,20 @@ class ExchangeConfig:
             raise ValueError(f"exchange.delay must be >= 1, got {self.delay}")
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"exchange.density must be in (0, 1], got {self.density}")
+        if self.preset:
+            from compression.sbc import PRESETS as SBC_PRESETS
+
+            if self.preset not in SBC_PRESETS:
+                near = difflib.get_close_matches(self.preset, list(SBC_PRESETS), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(
+                    f"exchange.preset: unknown SBC preset {self.preset!r}{hint} "
+                    f"(available: {', '.join(SBC_PRESETS)}, or empty)"
+                )
+        if self.sbc_selection not in ("per_sign", "magnitude"):
+            raise ValueError(
+                f"exchange.sbc_selection must be 'per_sign' or 'magnitude', got {self.sbc_selection!r}"
+            )
         if self.max_staleness < 1:
             raise ValueError(f"exchange.max_staleness must be >= 1, got {self.max_staleness}")
         if self.dgs_mode not in ("dual", "one_way", "dense"):
@@ -89,3 +121,14 @@ class ExchangeConfig:
             raise ValueError(
                 f"exchange.dgs_pull_density must be in [0, 1] (0 = push density), got {self.dgs_pull_density}"
             )
+        if self.powersgd_rank < 1:
+            raise ValueError(f"exchange.powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        if self.powersgd_start_step < 2:
+            # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start
+            raise ValueError(
+                f"exchange.powersgd_start_step must be >= 2 (as torch's start_powerSGD_iter), "
+                f"got {self.powersgd_start_step}"
+            )
+        if self.powersgd_min_compression_rate <= 0:
+            rate = self.powersgd_min_compression_rate
+            raise ValueError(f"exchange.powersgd_min_compression_rate must be > 0, got {rate}")

@@ -28,7 +28,7 @@ def _load_builtin_methods() -> None:
     # Imported for their @register side effect; kept here so `compression` imports stay cheap and acyclic.
     import importlib
 
-    for module in ("dense", "dropping", "local_mix", "dgc", "sbc"):
+    for module in ("dense", "dense_bf16", "dropping", "local_mix", "dgc", "sbc", "powersgd"):
         try:
             importlib.import_module(f"compression.{module}")
         except ModuleNotFoundError as err:
