@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -39,6 +41,10 @@ class Config:
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
 
     def validate(self) -> None:
+        if not self.model_dir.strip():
+            raise ValueError("model_dir must not be empty; set it to the directory that holds the run")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         for section in (self.data, self.model, self.train, self.valid, self.decode, self.exchange):
             section.validate()
         if self.model.tie_embeddings == "all" and self.data.vocab.tgt_model:
@@ -51,14 +57,25 @@ class Config:
 # ---------------------------------------------------------------------------------------------- YAML
 
 
-def _key_lines(node: yaml.Node, prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
-    """Map dotted key paths to their 1-based line in the YAML source, for error messages."""
+def _key_lines(
+    node: yaml.Node, source: str = "", prefix: str = "", out: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Map dotted key paths to their 1-based line in the YAML source, for error messages.
+
+    A key given twice in one mapping is an error (YAML loaders silently keep the last one, so the first
+    would be ignored without a word).
+    """
     out = {} if out is None else out
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             path = f"{prefix}{key_node.value}"
-            out[path] = key_node.start_mark.line + 1
-            _key_lines(value_node, path + ".", out)
+            line = key_node.start_mark.line + 1
+            if path in out:
+                raise ConfigError(
+                    f"{source}:{line}: duplicate key {path!r} (first at line {out[path]}); keep only one"
+                )
+            out[path] = line
+            _key_lines(value_node, source, path + ".", out)
     return out
 
 
@@ -67,20 +84,27 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a directory; pass a YAML recipe file (see recipes/)") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror}); check its permissions") from None
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
+        mark = err.problem_mark or err.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {err.problem}") from None
+        problem = " ".join(str(err.problem or err.context or "syntax error").split())
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(err).split())}") from None
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (data:, model:, train:, ...)")
-    return data, _key_lines(node) if node is not None else {}
+    return data, _key_lines(node, str(path)) if node is not None else {}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -88,7 +112,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key.path=value, e.g. train.lr=3e-4")
     key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
+    if not key or any(not part.strip() for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key; expected key.path=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
@@ -111,13 +135,53 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 # ----------------------------------------------------------------------------------- dict -> dataclass
 
 
-def _origin(where: str, lines: dict[str, int], source: str, key: str) -> str:
-    line = lines.get(key)
-    if source and line:
-        return f"{source}:{line}: "
-    if source and source != "<overrides>":
-        return f"{source}: "
-    return where
+@dataclass
+class _Origins:
+    """Where each key's value came from, so that an error names the override or the file:line that set it."""
+
+    source: str = ""  # the recipe file ("" when there is none)
+    lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line in the recipe
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override's text
+
+    def override_of(self, key: str) -> str | None:
+        """The override that set `key`, a section above it (it replaced what the file said) or, for a section,
+        a key in it."""
+        key = key.split("[")[0]
+        parts = key.split(".")
+        for i in range(len(parts), 0, -1):
+            text = self.overrides.get(".".join(parts[:i]))
+            if text is not None:
+                return text
+        for dotted, text in self.overrides.items():  # `trainn.lr=1` created the unknown section `trainn`
+            if dotted.startswith(key + "."):
+                return text
+        return None
+
+    def where(self, key: str) -> str:
+        """'override K=V: ', 'recipe.yml:12: ', 'recipe.yml: ' or '' for the value at `key`."""
+        text = self.override_of(key)
+        if text is not None:
+            return f"override {text}: "
+        line = self.lines.get(key.split("[")[0])
+        if self.source and line:
+            return f"{self.source}:{line}: "
+        if self.source:
+            return f"{self.source}: "
+        return ""
+
+    def where_message(self, message: str) -> str:
+        """The origin for a validation message: an override among the keys it names wins, else the first key's
+        line in the file."""
+        keys = _KEY_PATTERN.findall(message)
+        for key in keys:
+            text = self.override_of(key)
+            if text is not None:
+                return f"override {text}: "
+        return self.where(keys[0]) if keys else (f"{self.source}: " if self.source else "")
+
+
+_SECTIONS = "data|model|train|valid|decode|exchange"
+_KEY_PATTERN = re.compile(rf"\b((?:{_SECTIONS})(?:\.[A-Za-z_]\w*)+|model_dir|seed)\b")
 
 
 def _coerce(value: Any, hint: Any, key: str, prefix: str) -> Any:
@@ -140,18 +204,23 @@ def _coerce(value: Any, hint: Any, key: str, prefix: str) -> Any:
             return value
         raise ConfigError(f"{prefix}{key}: expected true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{prefix}{key}: expected an integer, got {value!r}")
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
             raise ConfigError(f"{prefix}{key}: expected an integer, got {value!r}")
         return int(value)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"{prefix}{key}: expected a number, got {value!r}")
-        return float(value)
+        if not math.isfinite(number):
+            raise ConfigError(f"{prefix}{key}: expected a finite number, got {value!r}")
+        return float(number)
     if hint is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{prefix}{key}: expected a string, got {value!r}")
@@ -159,13 +228,13 @@ def _coerce(value: Any, hint: Any, key: str, prefix: str) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], path: str, lines: dict[str, int], source: str) -> Any:
+def _build(cls: type, data: dict[str, Any], path: str, origins: _Origins) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         full = f"{path}{key}"
-        prefix = _origin("", lines, source, full)
+        prefix = origins.where(full)
         if key not in fields:
             candidates = [f"{path}{name}" for name in fields]
             near = difflib.get_close_matches(full, candidates, n=1, cutoff=0.5)
@@ -175,32 +244,46 @@ def _build(cls: type, data: dict[str, Any], path: str, lines: dict[str, int], so
         if dataclasses.is_dataclass(hint_type):
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{full}: expected a section (mapping), got {value!r}")
-            kwargs[key] = _build(hint_type, value, full + ".", lines, source)
+            kwargs[key] = _build(hint_type, value, full + ".", origins)
         else:
             kwargs[key] = _coerce(value, hint_type, full, prefix)
     return cls(**kwargs)
 
 
-def _apply_preset(tree: dict[str, Any]) -> None:
+def _apply_preset(tree: dict[str, Any], origins: _Origins) -> None:
     model = tree.get("model")
     if not isinstance(model, dict) or not model.get("preset"):
         return
     name = model["preset"]
-    if name not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {name!r} (available: {', '.join(PRESETS)})")
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError(
+            f"{origins.where('model.preset')}model.preset: unknown preset {name!r} "
+            f"(available: {', '.join(PRESETS)})"
+        )
     for key, value in PRESETS[name].items():
         model.setdefault(key, value)
 
 
-def config_from_dict(tree: dict[str, Any], source: str = "", lines: dict[str, int] | None = None) -> Config:
-    """Build and validate a Config from a nested dict (what YAML gives)."""
+def config_from_dict(
+    tree: dict[str, Any],
+    source: str = "",
+    lines: dict[str, int] | None = None,
+    overrides: dict[str, str] | None = None,
+) -> Config:
+    """Build and validate a Config from a nested dict (what YAML gives).
+
+    `source`, `lines` (dotted key -> line) and `overrides` (dotted key -> override text) only shape the
+    error messages: each names the override or the file:line that set the offending value.
+    """
+    origins = _Origins(source, dict(lines or {}), dict(overrides or {}))
     tree = _deep_copy(tree)
-    _apply_preset(tree)
-    config = _build(Config, tree, "", lines or {}, source)
+    _apply_preset(tree, origins)
+    config = _build(Config, tree, "", origins)
     try:
         config.validate()
     except ValueError as err:
-        raise ConfigError(f"{source + ': ' if source else ''}{err}") from None
+        message = " ".join(str(err).split())
+        raise ConfigError(f"{origins.where_message(message)}{message}") from None
     return config
 
 
@@ -213,24 +296,26 @@ def _deep_copy(tree: Any) -> Any:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a recipe and apply `key.path=value` overrides (later ones win)."""
+    """Load a recipe and apply `key.path=value` overrides (later ones win).
+
+    Errors name where the bad value came from: `recipe.yml:12: ...` for the file, `override K=V: ...` for
+    an override.
+    """
     tree: dict[str, Any] = {}
     lines: dict[str, int] = {}
     source = ""
     if path is not None:
         source = str(path)
         tree, lines = _read_yaml(Path(path))
+    by_key: dict[str, str] = {}
     for text in overrides or []:
         keys, value = parse_override(text)
         _set_path(tree, keys, value)
-        lines.pop(".".join(keys), None)
-    try:
-        return config_from_dict(tree, source, lines)
-    except ConfigError as err:
-        message = str(err)
-        if overrides and source and not message.startswith(source):
-            message = f"{source} (with overrides): {message}"
-        raise ConfigError(message) from None
+        dotted = ".".join(keys)
+        for known in [k for k in by_key if k == dotted or k.startswith(dotted + ".")]:
+            del by_key[known]  # a later override of the same key (or its section) replaces the earlier one
+        by_key[dotted] = text
+    return config_from_dict(tree, source, lines, by_key)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

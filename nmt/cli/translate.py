@@ -4,6 +4,11 @@ The checkpoint carries its model and decoding config, so `--model DIR` is all th
 the flags override the stored `decode:` options. Reads stdin (or `--input`), writes stdout (or
 `--output`), one sentence per line; with `--n-best N` writes Moses-style "i ||| hypothesis ||| score"
 lines (i counts input lines from 0).
+
+Robustness: input lines longer than `decode.max_input_tokens` subword tokens (`--max-input-tokens`, 0 = no
+limit) are cut to that length and counted in one warning at the end, so one runaway line cannot stall a job.
+Every bad input is one line on stderr and exit status 2: a missing or broken checkpoint (truncated `model.pt`,
+NaN/inf weights), input that is not UTF-8 (naming the line), an `--output` that cannot be written.
 """
 
 from __future__ import annotations
@@ -12,18 +17,28 @@ import argparse
 import itertools
 import os
 import sys
-from collections.abc import Iterator
-from typing import TextIO
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO, TextIO
 
 from nmt.decoding.translator import Translator, apply_overrides
 
 CHUNK_LINES = 2000  # lines translated at once: big enough to sort by length, small enough to stream
+LISTED_LINES = 10  # truncated line numbers listed in the warning
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class InputError(ValueError):
+    """Input text that cannot be translated (not UTF-8); the message names the source and line."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="nmt-translate", description="Translate text with trained nmt model(s)."
-    )
+    parser = _OneLineParser(prog="nmt-translate", description="Translate text with trained nmt model(s).")
     parser.add_argument(
         "--model",
         action="append",
@@ -38,11 +53,49 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len-factor", type=float, help="output at most F * source length + b tokens")
     parser.add_argument("--length-penalty", type=float, help="score = log-prob / length**A")
     parser.add_argument("--batch-sentences", type=int, help="sentences per batch")
+    parser.add_argument(
+        "--max-input-tokens",
+        type=int,
+        help="cut longer input lines to this many subword tokens (default: decode.max_input_tokens, 250; "
+        "0 = no limit)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     return parser
 
 
-def _chunks(lines: Iterator[str], size: int) -> Iterator[list[str]]:
+# flag -> decode option it overrides
+_FLAGS = {
+    "beam_size": "--beam-size",
+    "n_best": "--n-best",
+    "max_len_factor": "--max-len-factor",
+    "length_penalty": "--length-penalty",
+    "batch_sentences": "--batch-sentences",
+    "max_input_tokens": "--max-input-tokens",
+}
+
+
+def _decoded_lines(stream: BinaryIO | TextIO, name: str) -> Iterator[str]:
+    """Lines of `stream` without their line ends; bytes are decoded per line so that a line that is not UTF-8
+    is reported with its number. A UTF-8 byte order mark at the start is dropped."""
+    for lineno, raw in enumerate(stream, start=1):
+        if isinstance(raw, bytes):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = f"byte {raw[e.start]:#04x} at byte {e.start} of the line"
+                raise InputError(
+                    f"{name}:{lineno}: not UTF-8 text ({bad}); convert the input to UTF-8, "
+                    f"e.g. `iconv -f latin1 -t utf-8`"
+                ) from None
+        else:
+            line = raw
+        if lineno == 1 and line.startswith("\ufeff"):
+            line = line[1:]
+        yield line.rstrip("\r\n")
+
+
+def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    lines = iter(lines)
     while chunk := list(itertools.islice(lines, size)):
         yield [line.rstrip("\r\n") for line in chunk]
 
@@ -60,23 +113,57 @@ def _write(out: TextIO, translator: Translator, chunk: list[str], first_index: i
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
     """One line on stderr and exit status 2 (argparse's `error` would print the whole usage first)."""
+    message = " ".join(message.split())
     parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _flag_message(message: str, args: argparse.Namespace) -> str:
+    """Name the flag when a decode option given on the command line is out of range."""
+    for option, flag in _FLAGS.items():
+        value = getattr(args, option)
+        if value is not None and message.startswith(f"decode.{option}"):
+            return f"{flag} {value}: {message}"
+    return message
+
+
+def _truncation_warning(lines: list[int], limit: int) -> str:
+    """'3 input lines longer than 250 tokens were truncated (lines 4, 9, 17)' and what to do about it."""
+    listed = ", ".join(str(n) for n in lines[:LISTED_LINES]) + (", ..." if len(lines) > LISTED_LINES else "")
+    if len(lines) == 1:
+        counted = f"1 input line longer than {limit} tokens was truncated (line {listed})"
+    else:
+        counted = f"{len(lines)} input lines longer than {limit} tokens were truncated (lines {listed})"
+    return f"nmt-translate: warning: {counted}; --max-input-tokens 0 translates them whole"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail(parser, "--device cuda: CUDA is not available on this machine; use --device cpu")
     for path in args.model:
         if not os.path.isdir(path):
+            if os.path.exists(path):
+                _fail(
+                    parser,
+                    f"--model {path}: not a directory; point it at a model or step-* checkpoint directory",
+                )
             _fail(parser, f"--model {path}: no such checkpoint directory")
-    if args.input and not os.path.isfile(args.input):
-        _fail(parser, f"--input {args.input}: no such file")
-    overrides = {
-        "beam_size": args.beam_size,
-        "max_len_factor": args.max_len_factor,
-        "length_penalty": args.length_penalty,
-        "batch_sentences": args.batch_sentences,
-    }
+    if args.input:
+        if os.path.isdir(args.input):
+            _fail(
+                parser,
+                f"--input {args.input}: is a directory, expected a text file with one sentence per line",
+            )
+        if not os.path.isfile(args.input):
+            _fail(parser, f"--input {args.input}: no such file")
+    if args.output and args.input and os.path.exists(args.output):
+        if os.path.samefile(args.output, args.input):
+            _fail(parser, f"--output {args.output} is the --input file; writing would destroy the input")
+    overrides = {option: getattr(args, option) for option in _FLAGS if option != "n_best"}
     try:
         translator = Translator.from_checkpoints(args.model, device=args.device, **overrides)
         if args.n_best is not None:
@@ -85,21 +172,52 @@ def main(argv: list[str] | None = None) -> int:
                 args.beam_size if args.beam_size is not None else max(translator.cfg.beam_size, args.n_best)
             )
             translator.cfg = apply_overrides(translator.cfg, {"n_best": args.n_best, "beam_size": beam})
-    except (ValueError, FileNotFoundError) as error:
-        _fail(parser, str(error))
+    except (ValueError, OSError) as error:
+        _fail(parser, _flag_message(str(error), args))
     nbest = args.n_best is not None
-    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        source = open(args.input, "rb") if args.input else getattr(sys.stdin, "buffer", sys.stdin)
+    except OSError as error:
+        _fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as error:
+        if args.input:
+            source.close()
+        _fail(
+            parser, f"--output {args.output}: cannot write it ({error.strerror}); choose a writable location"
+        )
+    name = f"--input {args.input}" if args.input else "stdin"
+    truncated: list[int] = []
     try:
         index = 0
-        for chunk in _chunks(iter(source), CHUNK_LINES):
+        for chunk in _chunks(_decoded_lines(source, name), CHUNK_LINES):
             _write(out, translator, chunk, index, nbest)
+            truncated.extend(index + i + 1 for i in translator.last_truncated)
             index += len(chunk)
+    except InputError as error:
+        _fail(parser, str(error))
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other Unix tools do.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        except (OSError, ValueError):
+            pass
+        return 1
+    except OSError as error:
+        where = f"--output {args.output}" if args.output else "stdout"
+        reason = error.strerror or str(error)
+        _fail(parser, f"{where}: writing failed ({reason}); free disk space or choose another location")
     finally:
         if args.input:
             source.close()
         if args.output:
-            out.close()
+            try:
+                out.close()
+            except OSError:
+                pass
+    if truncated:
+        print(_truncation_warning(truncated, translator.cfg.max_input_tokens), file=sys.stderr, flush=True)
     return 0
 
 

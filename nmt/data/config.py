@@ -59,6 +59,10 @@ class DataConfig:
             )
         if self.vocab.train_sentences < 1:
             raise ValueError(f"data.vocab.train_sentences must be >= 1, got {self.vocab.train_sentences}")
+        if self.valid_max_sentences < 0:
+            raise ValueError(
+                f"data.valid_max_sentences must be >= 0 (0 = all), got {self.valid_max_sentences}"
+            )
         if self.vocab.tgt_model and self.vocab.tgt_model == self.vocab.model:
             raise ValueError(
                 "data.vocab.tgt_model names the same file as data.vocab.model; leave tgt_model empty for a "

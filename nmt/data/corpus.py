@@ -140,3 +140,46 @@ def _length_mismatch(shorter: Path, longer: Path, n: int) -> CorpusError:
 def read_lines(path: PathLike) -> list[str]:
     """All lines of a (dev/test) file, validated like `iter_parallel`; for small files only."""
     return list(iter_lines(path))
+
+
+def count_lines(path: PathLike, chunk_bytes: int = 1 << 20) -> int:
+    """Lines of a plain or gzip file as `iter_lines` splits them (a last line without "\\n" counts)."""
+    path = Path(path)
+    n, last = 0, b"\n"
+    try:
+        with _open_binary(path) as f:
+            while chunk := f.read(chunk_bytes):
+                n += chunk.count(b"\n")
+                last = chunk[-1:]
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise CorpusError(f"{path}: corrupt or truncated gzip data ({e}); recompress the file") from e
+    return n + (last != b"\n")
+
+
+# Line counts of parallel files are compared before training only up to this size (plain bytes, or gzip
+# bytes x 4): beyond it counting would delay the start by many seconds; streaming still checks alignment.
+COUNT_LINES_MAX_BYTES = 2 << 30
+
+
+def check_parallel_files(src_path: PathLike, tgt_path: PathLike, key: str) -> None:
+    """Fail before any training starts when a pair of files (config key `key`, e.g. "data.train") is missing,
+    unreadable, empty, or has different line counts; the `CorpusError` names the key and the files."""
+    for side, raw in (("src", src_path), ("tgt", tgt_path)):
+        if not os.fspath(raw).strip():
+            raise CorpusError(f"{key}.{side} is not set; set it to a text file with one sentence per line")
+    src_path, tgt_path = Path(src_path), Path(tgt_path)
+    for side, path in (("src", src_path), ("tgt", tgt_path)):
+        try:
+            _check_file(path)
+        except CorpusError as e:
+            raise CorpusError(f"{key}.{side}: {e}") from None
+    sizes = [p.stat().st_size * (4 if _is_gzip(p) else 1) for p in (src_path, tgt_path)]
+    if max(sizes) > COUNT_LINES_MAX_BYTES:
+        return
+    n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
+    if n_src != n_tgt:
+        raise CorpusError(
+            f"{key}: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; parallel files must have the "
+            f"same number of lines, one sentence pair per line: check that both come from the same corpus "
+            f"and split"
+        )

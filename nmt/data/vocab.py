@@ -5,8 +5,9 @@ not exist yet trains it there; the next run (and decoding) reuses it. Special id
 this toolkit trains or accepts: pad=0, unk=1, bos=2, eos=3, so models, losses and decoders can rely on them.
 
 Training writes into a temporary directory next to the model and renames the finished files into place, so
-an interrupted run never leaves a half-written model that a later run would load. Concurrent local workers
-serialise on a lock on the model's directory; only the first one trains.
+an interrupted run never leaves a half-written model that a later run would load (the temporary `.spm-*`
+directory a killed run leaves is removed by the next one). Concurrent local workers serialise on a lock on the
+model's directory; only the first one trains.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from nmt.data.corpus import CorpusError, iter_lines
 log = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+TMP_PREFIX = ".spm-"  # temporary directories of `train_sentencepiece`; leftovers of killed runs are removed
 
 
 class VocabError(CorpusError):
@@ -173,7 +175,13 @@ def train_sentencepiece(files: list[Path], model_path: Path, cfg: VocabConfig, s
         seen,
         model_path,
     )
-    tmp = Path(tempfile.mkdtemp(prefix=".spm-", dir=model_path.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=model_path.parent))
+    except OSError as e:
+        raise VocabError(
+            f"{model_path}: cannot write a vocabulary there ({e.strerror}); point data.vocab.model (or "
+            f"model_dir) at a writable place"
+        ) from None
     try:
         text = tmp / "sample.txt"
         # Newlines inside a line cannot occur (we split on them); \r would, and sentencepiece reads text mode.
@@ -196,20 +204,59 @@ def train_sentencepiece(files: list[Path], model_path: Path, cfg: VocabConfig, s
                 minloglevel=2,
             )
         except RuntimeError as e:
-            raise VocabError(f"{model_path}: sentencepiece training failed: {e}") from None
+            message = " ".join(str(e).split())
+            raise VocabError(f"{model_path}: sentencepiece training failed: {message}") from None
         os.replace(prefix.with_suffix(".vocab"), model_path.with_suffix(".vocab"))
         os.replace(prefix.with_suffix(".model"), model_path)  # last: the .model's presence means "done"
+    except OSError as e:
+        raise VocabError(
+            f"{model_path}: writing the vocabulary failed ({e.strerror or e}); free disk space or fix the "
+            f"permissions, then run again"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return model_path
 
 
+def _remove_leftovers_locked(directory: Path) -> None:
+    for path in directory.glob(f"{TMP_PREFIX}*"):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as e:
+            log.warning("could not remove %s, left by an interrupted vocabulary training: %s", path, e)
+
+
+def remove_spm_leftovers(directory: str | os.PathLike) -> None:
+    """Remove the `.spm-*` temporary directories that a killed vocabulary training left in `directory`.
+
+    Safe while other processes use the directory: vocabulary training only happens under the same directory
+    lock, so whatever `.spm-*` exists once the lock is ours belongs to a process that is gone.
+    """
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.glob(f"{TMP_PREFIX}*")):
+        return
+    with _directory_lock(directory):
+        _remove_leftovers_locked(directory)
+
+
 def _load_or_train(model_path: Path, files: list[Path], cfg: VocabConfig, seed: int) -> Vocab:
     if not model_path.exists():
-        model_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            model_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise VocabError(
+                f"{model_path}: cannot create its directory ({e.strerror}); point data.vocab.model at a "
+                f"writable place"
+            ) from None
         with _directory_lock(model_path.parent):
+            _remove_leftovers_locked(model_path.parent)
             if not model_path.exists():  # another worker may have trained it while we waited
                 train_sentencepiece(files, model_path, cfg, seed=seed)
+    else:
+        remove_spm_leftovers(model_path.parent)
     return Vocab.load(model_path)
 
 

@@ -13,6 +13,9 @@ class DecodeConfig:
     max_len_b: int = 10
     n_best: int = 1
     batch_sentences: int = 64
+    # Longer inputs (in source subword tokens, eos not counted) are cut to this many before decoding, so that
+    # one runaway line (a whole chapter, a binary blob) cannot take hours or all memory; 0 = no limit.
+    max_input_tokens: int = 250
 
     def validate(self) -> None:
         if self.beam_size < 1:
@@ -21,5 +24,15 @@ class DecodeConfig:
             raise ValueError(f"decode.n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
         if self.max_len_factor <= 0:
             raise ValueError(f"decode.max_len_factor must be > 0, got {self.max_len_factor}")
+        if self.max_len_b < 0:
+            raise ValueError(f"decode.max_len_b must be >= 0, got {self.max_len_b}")
+        if self.length_penalty < 0:
+            raise ValueError(
+                f"decode.length_penalty must be >= 0 (0 = no normalisation), got {self.length_penalty}"
+            )
         if self.batch_sentences < 1:
             raise ValueError(f"decode.batch_sentences must be >= 1, got {self.batch_sentences}")
+        if self.max_input_tokens < 0:
+            raise ValueError(
+                f"decode.max_input_tokens must be >= 0 (0 = no limit), got {self.max_input_tokens}"
+            )

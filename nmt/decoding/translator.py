@@ -3,7 +3,10 @@
 Sentences are encoded with the source vocabulary (eos appended, as the training data has it),
 sorted by length into batches of `decode.batch_sentences` so little padding is decoded, translated
 with `beam_search`, decoded with the target vocabulary and put back in input order. Empty or
-blank input lines translate to empty output lines without touching the model.
+blank input lines translate to empty output lines without touching the model. Sentences longer than
+`decode.max_input_tokens` subword tokens (0 = no limit) are cut to that length first, so that one runaway
+line cannot make a batch take hours (the output length grows with the input); the indices of the cut
+sentences of the last call are in `Translator.last_truncated`.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Translator:
         self.src_vocab = src_vocab
         self.tgt_vocab = tgt_vocab
         self.cfg = cfg
+        self.last_truncated: list[int] = []  # indices, in the last call's input, of sentences that were cut
 
     @classmethod
     def from_checkpoints(
@@ -118,10 +122,17 @@ class Translator:
         """
         results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in sentences]
         eos, pad = self.src_vocab.eos_id, self.src_vocab.pad_id
+        limit = getattr(self.cfg, "max_input_tokens", 0)
         encoded = {}
+        truncated = []
         for i, sentence in enumerate(sentences):
             if sentence.strip():
-                encoded[i] = self.src_vocab.encode(sentence) + [eos]
+                ids = self.src_vocab.encode(sentence)
+                if limit and len(ids) > limit:
+                    ids = ids[:limit]
+                    truncated.append(i)
+                encoded[i] = ids + [eos]
+        self.last_truncated = truncated
         order = sorted(encoded, key=lambda i: len(encoded[i]))
         size = self.cfg.batch_sentences
         for start in range(0, len(order), size):

@@ -36,17 +36,21 @@ class ModelConfig:
             )
         if self.cell not in ("gru", "lstm"):
             raise ValueError(f"model.cell must be 'gru' or 'lstm', got {self.cell!r}")
-        if self.encoder_layers < 1 or self.decoder_layers < 1:
-            raise ValueError(
-                f"model.encoder_layers and model.decoder_layers must be >= 1, "
-                f"got {self.encoder_layers} and {self.decoder_layers}"
-            )
+        # Sizes before the divisibility check: a zero would surface as a ZeroDivisionError later.
+        sizes = ("d_model", "ffn_dim", "heads", "encoder_layers", "decoder_layers", "max_positions")
+        sizes += ("rnn_hidden", "rnn_embed")
+        for name in sizes:
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
         if self.arch == "transformer" and self.d_model % self.heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
 
 # Named presets: values a recipe gets for `model.preset`; keys the recipe sets explicitly win.

@@ -7,7 +7,10 @@ Layout of a model directory:
     last -> step-...      symlink to the newest checkpoint (resume starts here)
     best -> step-...      symlink to the best checkpoint by validation BLEU (decoding uses it)
 A checkpoint is written under a temporary name and renamed when complete, and the symlinks are swapped
-with os.replace, so a killed run never leaves a half-written checkpoint behind a name.
+with os.replace, so a killed run never leaves a half-written checkpoint behind a name. A write that fails
+(disk full, permissions) removes its temporary directory and raises `CheckpointError`; the temporary
+directories of killed runs are removed when the next run's writer starts. `.lock` holds the pid and host of
+the training job that uses the directory (see `acquire_model_dir_lock`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,30 @@ from nmt.data.vocab import Vocab
 MODEL_FILE = "model.pt"
 META_FILE = "meta.json"
 VOCAB_FILE = "vocab.json"
+LOCK_FILE = ".lock"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or read; the message is one line naming the file and what to do.
+
+    A `ConfigError`, so that the training entry points (which report those as one line) report it too.
+    """
+
+
+class WorldSizeMismatch(CheckpointError, RuntimeError):
+    """Resuming with another number of workers than the checkpoint was written by."""
+
+
+class ModelDirLocked(CheckpointError):
+    """Another training job holds the model directory."""
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an exception, for one-line messages."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def step_dir_name(step: int) -> str:
@@ -52,15 +80,43 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def remove_checkpoint_leftovers(model_dir: Path) -> list[Path]:
+    """Remove the temporary `.step-N.tmp` directories (and `.last.tmp`-style links) of killed runs."""
+    removed = []
+    if not model_dir.is_dir():
+        return removed
+    for path in [*model_dir.glob(".step-*.tmp"), *model_dir.glob(".*.tmp")]:
+        if not (path.is_symlink() or path.exists()):
+            continue  # matched by both patterns and already gone
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+        except OSError:
+            pass  # not ours to remove (permissions): saving into it reports the problem
+    return removed
+
+
 @dataclass
 class CheckpointWriter:
-    """Writes checkpoints of one run; every rank calls `save` together (collective through `barrier`)."""
+    """Writes checkpoints of one run; every rank calls `save` together (collective through `barrier`).
+
+    On the main rank, construction removes the temporary directories that killed runs left behind (the model
+    directory is locked by the job, so none of them is being written).
+    """
 
     model_dir: Path
     rank: int
     world_size: int
     barrier: Callable[[], None]
     keep: int = 2
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if self.rank == 0:
+            remove_checkpoint_leftovers(self.model_dir)
 
     def save(
         self,
@@ -72,33 +128,75 @@ class CheckpointWriter:
         rank_state: dict[str, Any],
         meta: dict[str, Any],
     ) -> Path:
+        """Write checkpoint `step` atomically; `CheckpointError` (and no temporary directory left) if a write
+        fails, with the previous checkpoint and the `last` link untouched."""
         final = self.model_dir / step_dir_name(step)
         tmp = self.model_dir / f".{step_dir_name(step)}.tmp"
         if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                self._failed(final, tmp, err)
         self.barrier()
-        torch.save(rank_state, tmp / rank_state_file(self.rank))
+        try:
+            torch.save(rank_state, tmp / rank_state_file(self.rank))
+        except (OSError, RuntimeError) as err:  # torch's zip writer reports a failed write as RuntimeError
+            self._failed(final, tmp, err)
         self.barrier()
         if self.rank == 0:
-            weights = {"model": _detached(model_state), "ema": _detached(ema_state) if ema_state else None}
-            torch.save(weights, tmp / MODEL_FILE)
-            save_config(config, tmp / "config.yml")
-            _copy_vocabs(vocabs, tmp)
-            (tmp / META_FILE).write_text(
-                json.dumps({**meta, "step": step, "world_size": self.world_size}, indent=1), encoding="utf-8"
-            )
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _atomic_symlink(final.name, self.model_dir / "last")
+            try:
+                weights = {
+                    "model": _detached(model_state),
+                    "ema": _detached(ema_state) if ema_state else None,
+                }
+                torch.save(weights, tmp / MODEL_FILE)
+                save_config(config, tmp / "config.yml")
+                _copy_vocabs(vocabs, tmp)
+                (tmp / META_FILE).write_text(
+                    json.dumps({**meta, "step": step, "world_size": self.world_size}, indent=1),
+                    encoding="utf-8",
+                )
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            except (OSError, RuntimeError) as err:
+                self._failed(final, tmp, err)
+            try:
+                _atomic_symlink(final.name, self.model_dir / "last")
+            except OSError as err:
+                self._failed(final, None, err)
         self.barrier()
         return final
 
+    def _failed(self, final: Path, tmp: Path | None, err: BaseException) -> None:
+        """Remove what this rank wrote of the failed checkpoint and raise one line saying what to do."""
+        if tmp is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                (tmp / rank_state_file(self.rank)).unlink(missing_ok=True)
+        last = self.model_dir / "last"
+        kept = (
+            f"the previous checkpoint ({os.readlink(last)}) is intact"
+            if last.is_symlink()
+            else "there is no earlier checkpoint"
+        )
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({_reason(err)}); {kept}; free disk space or fix the "
+            f"permissions of {self.model_dir}, then run the same command again to resume"
+        ) from None
+
     def mark_best(self, step_dir: Path) -> None:
         if self.rank == 0:
-            _atomic_symlink(step_dir.name, self.model_dir / "best")
+            try:
+                _atomic_symlink(step_dir.name, self.model_dir / "best")
+            except OSError as err:
+                raise CheckpointError(
+                    f"cannot update {self.model_dir / 'best'} ({_reason(err)}); free disk space or fix the "
+                    f"permissions of {self.model_dir}, then run the same command again to resume"
+                ) from None
 
     def prune(self) -> None:
         """Keep the `keep` newest step checkpoints plus the ones `last` and `best` point to."""
@@ -128,6 +226,30 @@ def _copy_vocabs(vocabs: tuple[Vocab, Vocab], out: Path) -> None:
 
 def _link_target(link: Path) -> str | None:
     return os.readlink(link) if link.is_symlink() else None
+
+
+def restore_best_link(model_dir: Path) -> Path | None:
+    """Point `best` at the best checkpoint the newest checkpoint knows of, if the link is missing or stale.
+
+    A run killed between writing a checkpoint and linking it as `best` leaves the link behind (or absent), and
+    pruning would then be free to remove the real best. The newest checkpoint's meta.json names the best step
+    (`best_step`); if that checkpoint is still there, `best` is set to it. Returns the checkpoint linked, or
+    None when nothing had to change.
+    """
+    last = find_resume_dir(model_dir)
+    if last is None:
+        return None
+    try:
+        best_step = int(json.loads((last / META_FILE).read_text(encoding="utf-8")).get("best_step", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # an older or damaged meta: leave the link as it is
+    target = model_dir / step_dir_name(best_step)
+    if best_step <= 0 or not (target / MODEL_FILE).is_file():
+        return None
+    if _link_target(model_dir / "best") == target.name:
+        return None
+    _atomic_symlink(target.name, model_dir / "best")
+    return target
 
 
 def find_resume_dir(model_dir: Path) -> Path | None:
@@ -166,31 +288,194 @@ class InferenceBundle:
     meta: dict[str, Any]
 
 
+_BROKEN = "it is truncated or not a file written by nmt-train (a copy or a run that was cut short?)"
+
+
+def _read_json(path: Path, what_to_do: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint; {what_to_do}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot be read ({_reason(err)}); {_BROKEN}; {what_to_do}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object; {_BROKEN}; {what_to_do}")
+    return data
+
+
+def _torch_load(path: Path, what_to_do: str, weights_only: bool = True) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint; {what_to_do}") from None
+    except Exception as err:  # a corrupt file surfaces as any of pickle's, zip's or torch's errors
+        raise CheckpointError(f"{path}: cannot be read ({_reason(err)}); {_BROKEN}; {what_to_do}") from None
+
+
+def _weights(path: Path, what_to_do: str) -> dict[str, Any]:
+    weights = _torch_load(path, what_to_do)
+    if not isinstance(weights, dict) or not isinstance(weights.get("model"), dict):
+        raise CheckpointError(f"{path}: not a model checkpoint (no 'model' weights); {_BROKEN}; {what_to_do}")
+    return weights
+
+
+def first_non_finite(state: dict[str, Any]) -> str | None:
+    """The name of the first floating-point tensor in `state` holding NaN or inf, else None."""
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None
+
+
 def load_inference_bundle(path: str | Path) -> InferenceBundle:
+    """Load what decoding needs; `CheckpointError` (one line naming the file) for anything missing or broken,
+    including weights that hold NaN/inf."""
     ckpt = resolve_checkpoint(path)
+    todo = "use another checkpoint (a step-* directory) or train again"
     try:
         config = load_config(ckpt / "config.yml")
     except ConfigError as err:
-        raise ConfigError(f"{ckpt}: checkpoint config is not valid: {err}") from None
-    weights = torch.load(ckpt / MODEL_FILE, map_location="cpu", weights_only=True)
-    state = weights["ema"] if weights.get("ema") else weights["model"]
-    names = json.loads((ckpt / VOCAB_FILE).read_text(encoding="utf-8"))
+        raise CheckpointError(f"{ckpt}: checkpoint config is not valid: {err}") from None
+    weights = _weights(ckpt / MODEL_FILE, todo)
+    state = weights["ema"] if isinstance(weights.get("ema"), dict) and weights["ema"] else weights["model"]
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise CheckpointError(
+            f"{ckpt / MODEL_FILE} holds non-finite weights (NaN/inf): the run that wrote it diverged; use an "
+            f"earlier checkpoint (first bad tensor: {bad})"
+        )
+    names = _read_json(ckpt / VOCAB_FILE, todo)
+    if not isinstance(names.get("src"), str) or not isinstance(names.get("tgt"), str):
+        raise CheckpointError(f"{ckpt / VOCAB_FILE}: expected 'src' and 'tgt' file names; {todo}")
     src_vocab = Vocab.load(ckpt / names["src"])
     tgt_vocab = src_vocab if names["tgt"] == names["src"] else Vocab.load(ckpt / names["tgt"])
-    meta = json.loads((ckpt / META_FILE).read_text(encoding="utf-8"))
+    meta = _read_json(ckpt / META_FILE, todo)
     return InferenceBundle(ckpt, config, state, src_vocab, tgt_vocab, meta)
 
 
-def load_training_state(ckpt: Path, rank: int, world_size: int) -> tuple[dict, dict, dict]:
-    """(weights, this rank's training state, meta) of a checkpoint, refusing a different world size."""
-    meta = json.loads((ckpt / META_FILE).read_text(encoding="utf-8"))
-    saved_world = int(meta.get("world_size", 1))
+def saved_world_size(ckpt: Path) -> int:
+    """The number of workers that wrote checkpoint `ckpt` (from its meta.json)."""
+    meta = _read_json(ckpt / META_FILE, _resume_todo(ckpt))
+    try:
+        return int(meta.get("world_size", 1))
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{ckpt / META_FILE}: world_size is not a number; {_resume_todo(ckpt)}"
+        ) from None
+
+
+def _resume_todo(ckpt: Path) -> str:
+    return (
+        f"point {ckpt.parent / 'last'} at an earlier step-* checkpoint (ln -sfn step-N last), or set "
+        f"train.resume=false or another model_dir to start over"
+    )
+
+
+def check_world_size(ckpt: Path, world_size: int) -> None:
+    """Refuse to resume `ckpt` with another number of workers than wrote it."""
+    saved_world = saved_world_size(ckpt)
     if saved_world != world_size:
-        raise RuntimeError(
+        raise WorldSizeMismatch(
             f"{ckpt}: checkpoint was written by {saved_world} workers but this run has {world_size}; "
             f"resume with {saved_world} workers, or start a new model_dir "
             "(per-rank residuals and data positions cannot be remapped)"
         )
-    weights = torch.load(ckpt / MODEL_FILE, map_location="cpu", weights_only=True)
-    state = torch.load(ckpt / rank_state_file(rank), map_location="cpu", weights_only=False)
+
+
+def load_training_state(ckpt: Path, rank: int, world_size: int) -> tuple[dict, dict, dict]:
+    """(weights, this rank's training state, meta) of a checkpoint, refusing a different world size."""
+    todo = _resume_todo(ckpt)
+    check_world_size(ckpt, world_size)
+    meta = _read_json(ckpt / META_FILE, todo)
+    weights = _weights(ckpt / MODEL_FILE, todo)
+    state = _torch_load(ckpt / rank_state_file(rank), todo, weights_only=False)
     return weights, state, meta
+
+
+# ------------------------------------------------------------------------------------------ the lock
+
+
+_HELD_LOCKS: dict[str, int] = {}  # resolved model_dir -> fd of its lock file, held by this process
+
+
+@dataclass
+class ModelDirLock:
+    """An exclusive lock on a model directory, held until `release` (or until this process ends)."""
+
+    path: Path
+    fd: int | None
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        _HELD_LOCKS.pop(str(self.path.parent.resolve()), None)
+        try:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> ModelDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def acquire_model_dir_lock(model_dir: str | os.PathLike) -> ModelDirLock:
+    """Lock `model_dir` for this training job: `<model_dir>/.lock` holds our pid and host under a POSIX flock.
+
+    The flock goes with the process: a job that was killed leaves the file but no lock, and the next job takes
+    it over (a stale lock cannot block anyone). A directory locked by another live job raises
+    `ModelDirLocked` naming its pid and host. `nmt-train` calls this before starting its workers (the
+    launcher, or rank 0 under torchrun). Calling it again in the process that holds the lock, or in a worker
+    whose local launcher holds it, is a no-op, so a trainer's rank 0 may call it too.
+    """
+    model_dir = Path(model_dir)
+    key = str(model_dir.resolve())
+    if key in _HELD_LOCKS:
+        return ModelDirLock(model_dir / LOCK_FILE, None)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no locking
+        return ModelDirLock(model_dir / LOCK_FILE, None)
+    path = model_dir / LOCK_FILE
+    try:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise CheckpointError(
+            f"{model_dir}: cannot create the lock file {LOCK_FILE} ({_reason(err)}); model_dir must be a "
+            f"writable directory"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        if _held_by_our_launcher(holder):  # a worker of `nmt-train --workers N`: its launcher locked for us
+            return ModelDirLock(path, None)
+        raise ModelDirLocked(
+            f"{model_dir} is in use by another training job ({holder}); wait for it or use another model_dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    _HELD_LOCKS[key] = fd
+    return ModelDirLock(path, fd)
+
+
+def _held_by_our_launcher(holder: str) -> bool:
+    launcher = os.environ.get("NMT_LAUNCHER_PID", "")
+    return bool(launcher) and holder == f"pid {launcher} on host {socket.gethostname()}"
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
+    except OSError:
+        text = []
+    if len(text) >= 2 and text[0].isdigit():
+        return f"pid {text[0]} on host {text[1]}"
+    return "pid unknown"
