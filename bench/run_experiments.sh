@@ -7,7 +7,8 @@ PY=.venv/bin/python
 STEPS=${STEPS:-300}
 COMMON=(--common "train.max_wall_s=0" --common "train.max_steps=$STEPS" --common "valid.every=100"
         --common "valid.max_sentences=300" --common "valid.beam_size=1" --common "decode.beam_size=1"
-        --common "train.log_every=25" --common "valid.early_stopping=0")
+        --common "train.log_every=25" --common "valid.early_stopping=0"
+        --common "data.batch_tokens=1500")  # the recipe's batch when these tables were made
 # Issue 4's method comparison, the same runs for the Transformer and the RNN.
 METHODS=(
   --run dense exchange.method=dense
@@ -81,7 +82,7 @@ dgs|all)
 netbed|all)
   # Issue 3: dense exchange on the bandwidth-limited test bed, 2 and 4 hosts (one worker each).
   $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 --bandwidth unlimited 1gbit 100mbit \
-    --steps 15 --run dense exchange.method=dense --vocab models/bible-es-en/spm.model \
+    --steps 15 --run dense exchange.method=dense --vocab models/bible-es-en/spm.model --common data.batch_tokens=1500 \
     --reference models/bible-es-en/metrics.jsonl --target-loss 4.0 \
     --json docs/netbed-train-dense.jsonl --out docs/netbed-train-dense.md
   ;;&
@@ -89,7 +90,7 @@ netbed-methods|all)
   # Issue 4: every method's step time at 1 Gbit/s, 2 hosts (10 steps: inside the recipe's warm-ups).
   # VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
   $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 10 \
-    --vocab "${VOCAB:-models/bible-es-en/spm.model}" \
+    --vocab "${VOCAB:-models/bible-es-en/spm.model}" --common data.batch_tokens=1500 \
     "${NETBED_METHODS[@]}" \
     --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
   ;;&
@@ -100,6 +101,10 @@ netbed-methods-rnn|all)
     "${NETBED_METHODS[@]}" \
     --json docs/netbed-train-methods-rnn.jsonl --out docs/netbed-train-methods-rnn.md
   ;;&
+time-to-bleu)
+  # Issue 12: every method for the same training time on the test bed (hours; resumable, rerun to continue).
+  $PY bench/time_to_bleu.py --out-dir models/time-to-bleu --budget-s "${BUDGET_S:-1200}" --every-s 120
+  ;;
 multinode|all)
   # Issue 3: two bed hosts, each its own torchrun agent (c10d rendezvous over the 1 Gbit/s bridge).
   rm -rf models/netbed-multinode
@@ -107,6 +112,7 @@ multinode|all)
     'OMP_NUM_THREADS=1 .venv/bin/torchrun --nnodes 2 --nproc-per-node 1 $NETBED_TORCHRUN_ARGS \
      -m nmt.cli.train --config recipes/bible-es-en.yml model_dir=models/netbed-multinode \
      data.vocab.model=models/bible-es-en/spm.model train.max_wall_s=0 train.max_steps=200 train.threads=1 \
+     exchange.method=local_mix data.batch_tokens=1500 \
      train.progress=false valid.every=100 valid.test_at_end=false'
   ;;
 esac

@@ -2,6 +2,12 @@
 
 Runs as one process, as N local workers it launches itself, or as one worker of a torchrun job
 (single or multi-node: rank and world size come from the environment).
+
+Every bad input is one line on stderr (`nmt-train: error: ...`, exit status 2) naming the file:line, the
+override or the key, and it is found before any worker starts where it can be: the config, the hardware,
+the data files (present, readable, non-empty, same line counts), the vocabulary, the model directory
+(a writable directory, not in use by another job: see `acquire_model_dir_lock`) and a resume with another
+number of workers (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -9,23 +15,43 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
-from nmt.config import Config, ConfigError, dump_config, load_config
-from nmt.data.corpus import CorpusError
+from nmt.config import Config, ConfigError, config_to_dict, dump_config, load_config
+from nmt.data.corpus import CorpusError, check_parallel_files
+from nmt.training.checkpoint import (
+    CheckpointError,
+    ModelDirLock,
+    acquire_model_dir_lock,
+    check_world_size,
+    find_resume_dir,
+)
 from nmt.training.distributed import (
+    EXIT_PEER_LOST,
     WorkerInfo,
     destroy_process_group,
     init_process_group,
     launch_local_workers,
+    launcher_gone,
     under_launcher,
     worker_info_from_env,
 )
+from nmt.training.errors import TrainingDiverged
+from nmt.training.precision import PrecisionError, require_runnable
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="nmt-train",
         description="Train a translation model; one YAML config drives everything.",
         epilog="Example: nmt-train --config recipes/bible-es-en.yml --workers 2 train.max_steps=1000",
@@ -38,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local worker processes (default: train.workers); ignored under torchrun",
     )
+    parser.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="allow more local CPU workers than CPU cores (refused by default: they would only slow down)",
+    )
     parser.add_argument("--dump-config", action="store_true", help="print the effective config and exit")
     return parser
 
@@ -49,7 +80,11 @@ def _fail(message: str, code: int = 2) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # Intermixed: overrides may come before and after options (`--config R a=1 --workers 2 b=2`).
+    args = build_parser().parse_intermixed_args(argv)
+    local_worker = os.environ.get("NMT_LOCAL_LAUNCH") == "1" and under_launcher()
+    if local_worker and launcher_gone():
+        return 1  # our launcher died while we started: nobody is waiting for this worker
     if not args.config and not args.overrides:
         return _fail("no configuration: pass --config FILE (see recipes/) and/or key.path=value overrides")
     try:
@@ -60,29 +95,213 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump_config(config))
         return 0
 
+    hardware_problem = _hardware_problem(config)
+    if hardware_problem:
+        return _fail(hardware_problem)
+
     workers = args.workers if args.workers is not None else config.train.workers
     if workers < 1:
         return _fail(f"--workers must be >= 1, got {workers}")
-    if config.exchange.method == "dgs":  # asynchronous: N workers + 1 parameter server (docs/dgs.md)
-        from nmt.training.async_trainer import main_async
 
-        return main_async(config, workers, _without_workers_flag(argv))
-    if workers > 1 and not under_launcher():
-        child_argv = _without_workers_flag(argv)
-        return launch_local_workers(workers, child_argv)
-    return run_worker(config)
+    # Checks before any worker starts: by the launcher (or the single process), or by rank 0 under torchrun.
+    lock: ModelDirLock | None = None
+    if not local_worker and worker_info_from_env().rank == 0:
+        problem = ""
+        if workers > _cpu_cores() and not under_launcher() and not args.allow_oversubscribe:
+            problem = _oversubscribed(config, workers, args.workers is not None)
+        problem = problem or _launch_problem(config)
+        if problem:
+            return _fail(problem)
+        try:
+            lock = acquire_model_dir_lock(config.model_dir)
+            _check_resume(config, workers)
+        except (CheckpointError, CorpusError) as err:
+            if lock is not None:
+                lock.release()
+            return _fail(str(err))
+    try:
+        if config.exchange.method == "dgs":  # asynchronous: N workers + 1 parameter server (docs/dgs.md)
+            from nmt.training.async_trainer import main_async
+
+            return main_async(config, workers, _without_workers_flag(argv))
+        if workers > 1 and not under_launcher():
+            child_argv = _without_workers_flag(argv)
+            return launch_local_workers(workers, child_argv)
+        return run_worker(config)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _on_cpu(config: Config) -> bool:
+    return config.train.device == "cpu" or not torch.cuda.is_available()
+
+
+def _oversubscribed(config: Config, workers: int, from_flag: bool) -> str:
+    """One line refusing more CPU workers than cores ("" when the workers run on GPUs)."""
+    if not _on_cpu(config):
+        return ""
+    cores = _cpu_cores()
+    why = "train.device is cpu" if torch.cuda.is_available() else "no CUDA"
+    what = f"--workers {workers}" if from_flag else f"train.workers={workers}"
+    return (
+        f"{what} is more than the {cores} CPU core(s) of this machine ({why}): the workers would share cores "
+        f"and train slower; use --workers {cores} or fewer, or pass --allow-oversubscribe to run anyway"
+    )
+
+
+def _launch_problem(config: Config) -> str:
+    """One line for what would fail after the workers start: backend, data files, vocabulary, model_dir."""
+    if config.train.backend == "nccl" and _on_cpu(config):
+        return (
+            "train.backend is 'nccl' but the workers run on CPU (NCCL needs CUDA); "
+            "use train.backend=auto or gloo"
+        )
+    data = config.data
+    pairs = [("data.train", data.train), ("data.valid", data.valid)]
+    if config.valid.test_at_end and (data.test.src or data.test.tgt):
+        pairs.append(("data.test", data.test))
+    try:
+        for key, files in pairs:
+            check_parallel_files(files.src, files.tgt, key)
+    except CorpusError as err:
+        return str(err)
+    for key, value in (
+        ("data.vocab.model", data.vocab.model),
+        ("data.vocab.tgt_model", data.vocab.tgt_model),
+    ):
+        problem = _vocab_problem(key, value)
+        if problem:
+            return problem
+    return _model_dir_problem(Path(config.model_dir))
+
+
+def _vocab_problem(key: str, value: str) -> str:
+    if not value:
+        return ""
+    path = Path(value)
+    if path.exists():
+        from nmt.data.vocab import Vocab
+
+        try:
+            Vocab.load(path)
+        except CorpusError as err:
+            return f"{key}: {err}"
+        return ""
+    if path.suffix != ".model":
+        return (
+            f"{key}: {path} does not exist, and a vocabulary nmt-train trains there needs a path ending in "
+            f".model; rename it in the config"
+        )
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return _writable_problem(key, parent, "the vocabulary is trained into it")
+
+
+def _model_dir_problem(model_dir: Path) -> str:
+    if model_dir.exists() and not model_dir.is_dir():
+        return (
+            f"model_dir {model_dir} is an existing file, not a directory; set model_dir to a directory path"
+        )
+    try:
+        model_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"model_dir {model_dir}: cannot create it ({err.strerror}); set model_dir to a writable place"
+    return _writable_problem("model_dir", model_dir, "checkpoints are written into it")
+
+
+def _writable_problem(key: str, directory: Path, why: str) -> str:
+    """'' if a file can be created in `directory` (tried for real: permission bits do not bind root)."""
+    if not directory.is_dir():
+        return f"{key}: {directory} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".nmt-write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"{key}: {directory} is not writable ({err.strerror}); {why}: choose a writable directory"
+    return ""
+
+
+def _check_resume(config: Config, workers: int) -> None:
+    """Refuse, before launching, to resume a checkpoint with another number of processes than wrote it."""
+    if not config.train.resume:
+        return
+    ckpt = find_resume_dir(Path(config.model_dir))
+    if ckpt is None:
+        return
+    if under_launcher():
+        world = worker_info_from_env().world_size
+    else:
+        world = workers + 1 if config.exchange.method == "dgs" else workers
+    check_world_size(ckpt, world)
+    _check_same_model(config, ckpt)
+
+
+def _check_same_model(config: Config, ckpt: Path) -> None:
+    """Refuse to resume `ckpt` with another model or vocabulary than it was trained with.
+
+    Otherwise a changed `model.*` ends in a size-mismatch traceback, and a changed `data.vocab.*` is silently
+    ignored (the saved vocabulary is used) while the new value is written into config.yml.
+    """
+    try:
+        saved = config_to_dict(load_config(ckpt / "config.yml"))
+    except ConfigError as err:
+        raise CheckpointError(f"{ckpt / 'config.yml'}: cannot be read to resume ({err})") from None
+    wanted = config_to_dict(config)
+    for section, old, new in (
+        ("model", saved["model"], wanted["model"]),
+        ("data.vocab", saved["data"]["vocab"], wanted["data"]["vocab"]),
+    ):
+        for key in old:
+            if old[key] != new.get(key):
+                raise CheckpointError(
+                    f"{section}.{key} is {new.get(key)!r} but {ckpt.parent} was trained with {old[key]!r}; a "
+                    f"resumed run keeps its model and vocabulary: set it back, or use another model_dir (or "
+                    f"train.resume=false) to start over"
+                )
+
+
+def _hardware_problem(config: Config) -> str:
+    """One line when the config asks for hardware this machine lacks (checked before any worker starts)."""
+    cuda = torch.cuda.is_available()
+    if config.train.device == "cuda" and not cuda:
+        return "train.device is 'cuda' but CUDA is not available; use train.device=auto or cpu"
+    on_cuda = cuda and config.train.device != "cpu"
+    try:
+        require_runnable(config.train.precision, "cuda" if on_cuda else "cpu")
+    except PrecisionError as err:
+        return str(err)
+    return ""
+
+
+def _is_workers_flag(arg: str) -> bool:
+    """`--workers`, or an abbreviation argparse accepts for it (`--work`); `--w` is already unambiguous."""
+    name = arg.split("=", 1)[0]
+    return name.startswith("--w") and "--workers".startswith(name)
 
 
 def _without_workers_flag(argv: list[str]) -> list[str]:
-    """The command line for the launched workers: the same, minus --workers N."""
+    """The command line for the launched workers: the same, minus --workers N (wherever it is)."""
     out: list[str] = []
     skip_next = False
     for arg in argv:
         if skip_next:
             skip_next = False
-        elif arg == "--workers":
-            skip_next = True
-        elif not arg.startswith("--workers="):
+        elif arg == "--":
+            out.append(arg)
+        elif _is_workers_flag(arg):
+            skip_next = "=" not in arg
+        else:
             out.append(arg)
     return out
 
@@ -94,11 +313,18 @@ def run_worker(config) -> int:
     info = worker_info_from_env()
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
     torch.set_num_threads(threads)
-    device = select_device(config, info)
     try:
+        device = select_device(config, info)
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
         _fit(config, info, device)
-    except (CorpusError, FileNotFoundError, ConfigError) as err:
+    except (CorpusError, FileNotFoundError, ConfigError, PrecisionError) as err:
+        return _fail(f"rank {info.rank}: {err}")
+    except OSError as err:  # a full disk or lost permissions while writing logs or outputs: one line
+        if info.world_size > 1 and isinstance(err, ConnectionError):
+            return _fail(
+                f"rank {info.rank}: a connection to another worker failed ({err}); the job stops",
+                EXIT_PEER_LOST,
+            )
         return _fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
         return _fail(
@@ -106,13 +332,15 @@ def run_worker(config) -> int:
             f"{config.model_dir})",
             130,
         )
+    except TrainingDiverged as err:
+        return _fail(f"rank {info.rank}: {err}", 1)
     except RuntimeError as err:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         if info.world_size > 1 and _is_collective_failure(err):
             return _fail(
                 f"rank {info.rank}: a collective failed, so another worker died or hung ({text}); "
                 f"the job stops; resume from the last checkpoint in {config.model_dir}",
-                1,
+                EXIT_PEER_LOST,
             )
         raise
     finally:

@@ -116,7 +116,8 @@ def plan_batches(
         batch_tokens: bound on max(src_len, tgt_len) * sentences of each batch (one over-long pair still
             gets a batch of its own).
         world_size: the batch count is made a multiple of it by halving the largest batches.
-        generator: shuffles pairs before the (stable) length sort and the batch order after it; None keeps
+        generator: shuffles pairs before the (stable) length sort and the batch order after it, in groups of
+            world_size batches that are neighbours in length (one step's batches across ranks); None keeps
             corpus order among equal lengths and batches sorted by length.
     """
     n = src_lens.numel()
@@ -143,7 +144,12 @@ def plan_batches(
         spans[k : k + 1] = [(b, (b + e) // 2), ((b + e) // 2, e)]
     batches = [order[b:e] for b, e in spans]
     if generator is not None:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        # Shuffle groups of world_size neighbours in length order, not single batches: the ranks' batches of
+        # one step then have about the same shape, so no rank waits for a longer one in the step's
+        # collectives (about 7% of a 2-worker step with 750-token batches, by a cost model of the shapes).
+        groups = [batches[i : i + world_size] for i in range(0, len(batches), world_size)]
+        picks = torch.randperm(len(groups), generator=generator).tolist()
+        batches = [batch for g in picks for batch in groups[g]]
     return batches
 
 
@@ -204,6 +210,7 @@ class TrainBatches:
         self._epoch, self._chunk, self._batch = 1, 0, 0
         self._generation = 0  # bumped by load_state_dict so that a running iterator restarts from there
         self._whole: _Chunk | None = None  # the encoded corpus, when it is a single chunk
+        self.epoch_summary: str | None = None  # set when an epoch ends, until `pop_epoch_summary`
         self._reset_counts()
 
     @property
@@ -214,6 +221,11 @@ class TrainBatches:
     @property
     def skipped(self) -> int:
         return self.skipped_empty + self.skipped_too_long
+
+    def pop_epoch_summary(self) -> str | None:
+        """One line on the epoch that just ended (pairs used and skipped), once; None between epoch ends."""
+        summary, self.epoch_summary = self.epoch_summary, None
+        return summary
 
     def _reset_counts(self) -> None:
         self.skipped_empty = self.skipped_too_long = self.dropped = 0
@@ -321,6 +333,8 @@ class TrainBatches:
                     following = next(planned, None)  # reads and plans the next chunk before handing this out
                     if following is None:
                         self._epoch, self._chunk, self._batch = epoch + 1, 0, 0
+                        if full_epoch:  # every chunk is planned: the counts are complete
+                            self._summarize(epoch)
                     else:
                         self._chunk, self._batch = following[0], 0
                 handed_out += 1
@@ -335,18 +349,16 @@ class TrainBatches:
                 f"longer than data.max_len={self.cfg.max_len}); use more data, a larger data.max_len or "
                 f"fewer workers"
             )
-        if full_epoch:
-            log.info(
-                "epoch %d: %d pairs used, %d skipped (%d empty, %d longer than %d tokens), %d dropped",
-                epoch,
-                self.pairs,
-                self.skipped,
-                self.skipped_empty,
-                self.skipped_too_long,
-                self.cfg.max_len,
-                self.dropped,
-            )
         self._epoch, self._chunk, self._batch = epoch + 1, 0, 0
+
+    def _summarize(self, epoch: int) -> None:
+        """Set `epoch_summary` (shown by the trainer: skipped pairs must not pass unnoticed) and log it."""
+        self.epoch_summary = (
+            f"epoch {epoch}: {self.pairs:,} training pairs used, {self.skipped:,} skipped "
+            f"({self.skipped_empty:,} with an empty side, {self.skipped_too_long:,} longer than "
+            f"data.max_len={self.cfg.max_len} tokens), {self.dropped:,} left out of uneven chunks"
+        )
+        log.info(self.epoch_summary)
 
 
 def eval_batches(

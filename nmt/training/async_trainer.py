@@ -40,7 +40,7 @@ import random
 import re
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,8 @@ from nmt.training.distributed import (
 )
 from nmt.training.flat import FlatModel, flatten_model
 from nmt.training.metrics import MetricsLog, Progress
-from nmt.training.trainer import inverse_sqrt, record_test_scores, select_device
+from nmt.training.precision import PrecisionChoice, PrecisionError, resolve_precision
+from nmt.training.trainer import agree_on_precision, inverse_sqrt, record_test_scores, select_device
 
 HEADER_WORDS = 8
 TAG_HEADER, TAG_PAYLOAD = 1, 2
@@ -104,6 +105,11 @@ def check_config(config: Config) -> None:
         )
     if train.precision == "fp16":
         raise ConfigError("exchange.method dgs does not support train.precision: fp16; use fp32 or bf16")
+    if train.max_train_s or config.valid.every_train_s:
+        raise ConfigError(
+            "exchange.method dgs does not support train.max_train_s or valid.every_train_s yet; use "
+            "train.max_wall_s and valid.every"
+        )
     if ex.threshold != "global":
         raise ConfigError(
             "exchange.method dgs selects with one global threshold; set exchange.threshold: global"
@@ -138,16 +144,16 @@ def run_rank(config: Config) -> int:
         )
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
     torch.set_num_threads(threads)
-    device = select_device(config, info)
     role = "parameter server" if info.rank == 0 else "worker"
     try:
+        device = select_device(config, info)
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
         _run_role(config, info, device)
     except PeerFailure as err:
         return _fail(
             f"rank {info.rank} ({role}): {err}; resume from the last checkpoint in {config.model_dir}", 1
         )
-    except (CorpusError, FileNotFoundError, ConfigError) as err:
+    except (CorpusError, FileNotFoundError, ConfigError, PrecisionError) as err:
         return _fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
         return _fail(
@@ -193,6 +199,7 @@ class Common:
     model: Any
     flat: FlatModel
     link: Link
+    precision: PrecisionChoice
 
     @staticmethod
     def build(config: Config, info: WorkerInfo, device: torch.device) -> Common:
@@ -215,7 +222,14 @@ class Common:
         torch.manual_seed(config.seed * 1000 + info.rank)
         random.seed(config.seed * 1000 + info.rank)
         link = Link(device, config.train.collective_timeout_s)
-        return Common(config, info, device, vocabs, model, flat, link)
+        precision = agree_on_precision(
+            config.train.precision,
+            resolve_precision(config.train.precision, device),
+            info,
+            device,
+            dist.group.WORLD,
+        )
+        return Common(config, info, device, vocabs, model, flat, link, precision)
 
     def writer(self) -> CheckpointWriter:
         return CheckpointWriter(
@@ -396,6 +410,9 @@ class ServerLoop:
             f"parameter server (asynchronous), device {self.common.device}, exchange dgs ({mode})"
             + (f", resumed from {self.resumed_from.name}" if self.resumed_from else "")
         )
+        progress.write(f"nmt-train: {self.common.precision.message}")
+        if self.common.precision.warning:
+            progress.write(f"nmt-train: warning: {self.common.precision.warning}")
         start = time.perf_counter() - self.run_state.wall_s
         interval = _Interval()
         for worker in self.owed:  # resumed: answer the push the checkpoint was taken after
@@ -617,14 +634,16 @@ class ServerLoop:
         nll, tokens = 0.0, 0
         for batch in batches_for_loss(src, tgt, src_vocab, tgt_vocab, self.config.data.batch_tokens):
             batch = batch.to(self.common.device)
-            logits = model(batch.src, batch.tgt_in)
+            with self.common.precision.autocast(self.common.device.type):  # as the workers train
+                logits = model(batch.src, batch.tgt_in)
             _, batch_nll, n = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.0, model.pad_id)
             nll, tokens = nll + float(batch_nll), tokens + n
         return nll / max(tokens, 1), tokens
 
-    def _translate(self, sentences: list[str]) -> list[str]:
+    def _translate(self, sentences: list[str], for_test: bool = False) -> list[str]:
+        """Validation decodes with `valid.beam_size` (when set), the final test with the `decode` settings."""
         decode = self.config.decode
-        if self.config.valid.beam_size:
+        if self.config.valid.beam_size and not for_test:
             decode = type(decode)(
                 **{**decode.__dict__, "beam_size": self.config.valid.beam_size, "n_best": 1}
             )
@@ -688,7 +707,7 @@ class ServerLoop:
             step = int(best.resolve().name.split("-")[-1])
         src, refs = read_lines(data.test.src), read_lines(data.test.tgt)
         with _all_cores(self.config.train.threads):  # the workers have finished
-            hyps = self._translate(src)
+            hyps = self._translate(src, for_test=True)
         record_test_scores(model_dir, self.metrics, progress, step, hyps, refs)
 
 
@@ -808,10 +827,8 @@ class WorkerLoop:
         self.selector = _selector(config, info.rank)
         self.server_step = 0  # server updates as of the last reply
         self.awaiting = False  # True: the last push is out, a reply comes next
-        # bf16 autocast on CUDA and on CPUs (as the synchronous trainer); fp16 is refused at load time.
-        self.autocast = nullcontext()
-        if config.train.precision == "bf16":
-            self.autocast = torch.autocast(common.device.type, dtype=torch.bfloat16)
+        # The same autocast as the synchronous trainer (train.precision); fp16 is refused at load time.
+        self.autocast = common.precision.autocast(common.device.type)
         last_worker = info.rank == info.world_size - 1
         self.straggler_s = config.train.straggler_ms / 1000.0 if last_worker else 0.0
         self.writer = common.writer()

@@ -21,8 +21,14 @@ class TrainConfig:
     max_steps: int = 0  # 0 = no limit
     max_epochs: int = 0  # 0 = no limit
     max_wall_s: float = 0.0  # 0 = no limit; wall-clock bound of the training loop
+    max_train_s: float = 0.0  # 0 = no limit; bound on time in training steps (validation, saving excluded)
     ema_decay: float = 0.0  # exponential smoothing of parameters; 0 disables
-    precision: str = "fp32"  # fp32 | bf16 (autocast; CUDA or CPU) | fp16 (CUDA, with loss scaling)
+    # Steps whose loss or gradient is NaN/inf on any rank are skipped on every rank (and counted in the log);
+    # after this many in a row the run stops with an error (0 = never stop). fp16 overflow skips count too.
+    max_bad_steps: int = 20
+    # auto (bf16 where the hardware runs it natively: CUDA with bf16, CPUs with AVX512-BF16/AMX; else fp32)
+    # | fp32 | bf16 (autocast; emulated and ~20x slower on other CPUs) | fp16 (CUDA, with loss scaling)
+    precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads per worker; 0 = cores / local workers
     log_every: int = 50
@@ -50,8 +56,8 @@ class TrainConfig:
             raise ValueError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.optimizer_delay < 1:
             raise ValueError(f"train.optimizer_delay must be >= 1, got {self.optimizer_delay}")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"train.precision must be fp32 | bf16 | fp16, got {self.precision!r}")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"train.precision must be auto | fp32 | bf16 | fp16, got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device must be auto | cpu | cuda, got {self.device!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -68,11 +74,31 @@ class TrainConfig:
             raise ValueError(f"train.straggler_ms must be >= 0, got {self.straggler_ms}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        # Counts and limits where a negative value has no meaning (0 keeps its documented meaning).
+        for name, meaning in (
+            ("max_steps", " (0 = no limit)"),
+            ("max_epochs", " (0 = no limit)"),
+            ("max_wall_s", " (0 = no limit)"),
+            ("max_train_s", " (0 = no limit)"),
+            ("save_every", " (0 = only at the end)"),
+            ("max_bad_steps", " (0 = never stop on NaN/inf steps)"),
+            ("warmup_steps", ""),
+            ("threads", " (0 = cores / local workers)"),
+            ("clip_norm", " (0 = no clipping)"),
+            ("weight_decay", ""),
+            ("adam_eps", ""),
+        ):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"train.{name} must be >= 0{meaning}, got {value}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"train.momentum must be in [0, 1), got {self.momentum}")
 
 
 @dataclass
 class ValidConfig:
     every: int = 1000  # steps; 0 = only at the end
+    every_train_s: float = 0.0  # also validate each time this many seconds of training time have passed
     metrics: list[str] = field(default_factory=lambda: ["bleu", "chrf"])
     max_sentences: int = 0  # 0 = the whole dev set
     beam_size: int = 0  # 0 = decode.beam_size
@@ -86,5 +112,13 @@ class ValidConfig:
         unknown = [m for m in self.metrics if m not in ("bleu", "chrf")]
         if unknown:
             raise ValueError(f"valid.metrics: unknown metric {unknown[0]!r} (available: bleu, chrf)")
+        if self.every_train_s < 0:
+            raise ValueError(f"valid.every_train_s must be >= 0 (0 = off), got {self.every_train_s}")
         if self.early_stopping < 0:
             raise ValueError(f"valid.early_stopping must be >= 0, got {self.early_stopping}")
+        if self.max_sentences < 0:
+            raise ValueError(
+                f"valid.max_sentences must be >= 0 (0 = the whole dev set), got {self.max_sentences}"
+            )
+        if self.beam_size < 0:
+            raise ValueError(f"valid.beam_size must be >= 0 (0 = decode.beam_size), got {self.beam_size}")

@@ -119,3 +119,48 @@ def test_early_stopping_and_wall_limit(write_config, tmp_path):
     assert result.returncode == 0, result.stderr
     rows = [r for r in metrics(tmp_path / "wall") if r["kind"] == "train"]
     assert 3 <= rows[-1]["wall_s"] < 30 and rows[-1]["step"] < 100000
+
+
+def test_precision_auto_is_chosen_from_the_hardware_and_said_once(write_config):
+    from nmt.training.precision import query_cpu_bf16
+
+    result = run_cli("nmt.cli.train", "--config", str(write_config(max_steps=4)), "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "precision auto -> " in line]
+    assert len(lines) == 1, result.stderr
+    if query_cpu_bf16() is False:
+        assert "precision auto -> fp32: this CPU has no native bf16" in lines[0]
+    elif query_cpu_bf16() is True:
+        assert "precision auto -> bf16" in lines[0]
+
+
+def test_explicit_bf16_trains_everywhere_and_warns_where_it_is_emulated(write_config, tmp_path):
+    """The bf16 autocast path runs on every CPU (tiny model, so emulation costs seconds, not hours)."""
+    from nmt.training.precision import query_cpu_bf16
+
+    config = write_config(max_steps=6, precision="bf16", log_every=2)
+    result = run_cli("nmt.cli.train", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    losses = train_losses(tmp_path / "model")
+    assert sorted(losses) == [2, 4, 6] and losses[6] < losses[2]
+    warnings = [line for line in result.stderr.splitlines() if "warning: train.precision=bf16" in line]
+    if query_cpu_bf16() is False:
+        assert len(warnings) == 1 and "slower than fp32 here" in warnings[0], result.stderr
+    elif query_cpu_bf16() is True:
+        assert not warnings, result.stderr
+
+
+def test_fp16_without_cuda_is_refused_in_one_line_before_any_worker_starts(write_config, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is valid on this CUDA machine")
+    result = run_cli(
+        "nmt.cli.train", "--config", str(write_config()), "train.precision=fp16", "--workers", "2"
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "nmt-train: error: train.precision=fp16 needs CUDA (loss-scaled fp16); use train.precision=auto "
+        "(bf16 where the hardware runs it natively, fp32 elsewhere)"
+    )
+    assert not (tmp_path / "model").exists()
