@@ -674,6 +674,7 @@ class Trainer:
     def test(self, progress: Progress) -> None:
         """Translate data.test with the best checkpoint's weights and log a `test` row."""
         data = self.config.data
+        self.barrier()  # rank 0 moves `best` after the final save; no rank may read the link before that
         best = self.model_dir / "best"
         if best.exists():
             weights = torch.load(best / "model.pt", map_location="cpu", weights_only=True)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_helpers import ROOT, metrics, run_cli, threads_left_after_run, train_losses
 
 
@@ -145,3 +146,22 @@ def test_killed_worker_ends_the_job_with_a_message(write_config):
     assert launcher.returncode != 0
     assert "worker rank 1 exited with code -9" in stderr
     assert took < 60
+
+
+def test_the_test_row_of_two_workers_is_the_best_checkpoint_translated_as_nmt_translate_does(
+    write_config, tmp_path
+):
+    """Both ranks translate their half of the test set with the best checkpoint: the one linked at the final
+    validation, not the `best` that rank 1 may read before rank 0 has moved the link (a race that once put
+    the previous best's translations on every other line of test.hyp)."""
+    extra = {"valid": {"every": 4, "beam_size": 1, "max_sentences": 8}, "decode": {"beam_size": 2}}
+    config = write_config(_extra=extra, max_steps=12, log_every=4, ema_decay=0.9)
+    model_dir = tmp_path / "model"
+    done = run_cli("nmt.cli.train", "--config", str(config), "--workers", "2", f"model_dir={model_dir}")
+    assert done.returncode == 0, done.stderr
+    test_src = [r for r in metrics(model_dir) if r["kind"] == "test"]
+    assert len(test_src) == 1
+    source = str(Path(yaml.safe_load(config.read_text())["data"]["test"]["src"]))
+    alone = run_cli("nmt.cli.translate", "--model", str(model_dir), "--input", source)
+    assert alone.returncode == 0, alone.stderr
+    assert (model_dir / "test.hyp").read_text().splitlines() == alone.stdout.splitlines()
