@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    # `python bench/time_to_bleu.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
+    # project's `kernels` package once nmt and compression are imported.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 LM = ["exchange.drop_ratio=0.99"]
 DGC = ["train.optimizer=sgd", "train.lr=0.3", "train.clip_norm=0", "exchange.local_clip_norm=1.0"]

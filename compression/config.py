@@ -9,6 +9,13 @@ from dataclasses import dataclass
 ASYNC_METHODS = ("dgs",)
 
 
+def unknown_choice(key: str, what: str, value: object, choices: list[str], also: str = "") -> ValueError:
+    """The one-line error for a name that is not one of `choices`, with the nearest one suggested."""
+    near = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return ValueError(f"{key}: unknown {what} {value!r}{hint} (available: {', '.join(choices)}{also})")
+
+
 @dataclass
 class ExchangeConfig:
     """Options of every exchange method; each method reads the ones it documents.
@@ -64,11 +71,7 @@ class ExchangeConfig:
 
         methods = sorted({*available_methods(), *ASYNC_METHODS})
         if self.method not in methods:
-            near = difflib.get_close_matches(str(self.method), methods, n=1, cutoff=0.5)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(
-                f"exchange.method: unknown method {self.method!r}{hint} (available: {', '.join(methods)})"
-            )
+            raise unknown_choice("exchange.method", "method", self.method, methods)
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ValueError(f"exchange.drop_ratio must be in [0, 1), got {self.drop_ratio}")
         if self.threshold not in ("global", "layer"):
@@ -103,12 +106,8 @@ class ExchangeConfig:
             from compression.sbc import PRESETS as SBC_PRESETS
 
             if self.preset not in SBC_PRESETS:
-                near = difflib.get_close_matches(self.preset, list(SBC_PRESETS), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(
-                    f"exchange.preset: unknown SBC preset {self.preset!r}{hint} "
-                    f"(available: {', '.join(SBC_PRESETS)}, or empty)"
-                )
+                presets = list(SBC_PRESETS)
+                raise unknown_choice("exchange.preset", "SBC preset", self.preset, presets, ", or empty")
         if self.sbc_selection not in ("per_sign", "magnitude"):
             raise ValueError(
                 f"exchange.sbc_selection must be 'per_sign' or 'magnitude', got {self.sbc_selection!r}"

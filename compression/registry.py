@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Any
 
-from compression.config import ExchangeConfig
+from compression.config import ExchangeConfig, unknown_choice
 from compression.protocol import GradientExchange
 
 _FACTORIES: dict[str, Callable[[ExchangeConfig], GradientExchange]] = {}
@@ -45,10 +44,5 @@ def build_exchange(config: ExchangeConfig) -> GradientExchange:
     """Build the exchange named by `config.method`; unknown names get the nearest valid one suggested."""
     _load_builtin_methods()
     if config.method not in _FACTORIES:
-        near = difflib.get_close_matches(config.method, list(_FACTORIES), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ValueError(
-            f"exchange.method: unknown method {config.method!r}{hint} "
-            f"(available: {', '.join(sorted(_FACTORIES))})"
-        )
+        raise unknown_choice("exchange.method", "method", config.method, sorted(_FACTORIES))
     return _FACTORIES[config.method](config)
