@@ -34,3 +34,14 @@ def write_config(tmp_path: Path, reverse_corpus: Path):
         return path
 
     return write
+
+
+@pytest.fixture
+def single_thread():
+    """One torch thread for the test (tiny tensors: threads only add contention on the shared CI cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

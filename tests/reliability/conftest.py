@@ -14,14 +14,8 @@ from tiny_corpus import tiny_config_dict  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: threads only add contention on the shared CI cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(single_thread):
+    """Every test here runs with one torch thread (the shared `single_thread` of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,7 @@ PAD, BOS, EOS = 0, 2, 3
 VOCAB = 20
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: threads only add contention on the shared CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tests/conftest.py
 
 
 def tiny_model(seed: int, arch: str = "transformer", **overrides):

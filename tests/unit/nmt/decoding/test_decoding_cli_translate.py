@@ -13,14 +13,7 @@ from nmt.decoding.translator import Translator
 from nmt.models.build import build_model
 from nmt.models.config import ModelConfig
 
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: threads only add contention on the shared CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tests/conftest.py
 
 
 class CharVocab:

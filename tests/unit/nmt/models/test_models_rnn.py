@@ -13,13 +13,7 @@ from nmt.models.loss import label_smoothed_cross_entropy
 PAD, BOS, EOS = 0, 2, 3
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: threads only add contention on the shared CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tests/conftest.py
 
 
 def rnn_config(**overrides) -> ModelConfig:
