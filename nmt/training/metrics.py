@@ -33,6 +33,18 @@ class MetricsLog:
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         tmp.replace(self.path)
 
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows written so far (a line cut short by a kill is left out, as on resume)."""
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return

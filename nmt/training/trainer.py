@@ -499,10 +499,9 @@ class Trainer:
 
     def _test_row_missing(self) -> bool:
         """(main rank) metrics.jsonl has no `test` row yet; other ranks answer False."""
-        path = self.model_dir / "metrics.jsonl"
-        if not self.info.is_main or not path.exists():
-            return self.info.is_main
-        return not any('"kind": "test"' in line for line in path.read_text(encoding="utf-8").splitlines())
+        if not self.info.is_main:
+            return False
+        return not any(row.get("kind") == "test" for row in self.metrics.rows())
 
     def _limit_reached(self, wall_s: float, upcoming_step: int) -> bool:
         train = self.config.train
