@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# CPU machines: pin the local CPU wheel first so no multi-GB CUDA build is pulled.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[bible,test,triton,bench]'
+	$(BIN)/pip install -q -e '.[bible,test,triton,bench,serve,tensorboard]'
 	touch $@
 
 install: $(STAMP)

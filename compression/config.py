@@ -24,13 +24,13 @@ class ExchangeConfig:
     `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
-    method: str = "dense"
+    method: str = "dense"  # how workers exchange gradients or updates; dgs runs the asynchronous trainer
     # gradient dropping (Aji & Heafield 2017) and the methods built on it
-    drop_ratio: float = 0.99
+    drop_ratio: float = 0.99  # fraction of values not sent each step; density = 1 - drop_ratio (dgc, dgs too)
     threshold: str = "global"  # global | layer
     threshold_estimator: str = "sampled"  # sampled | exact
-    sample_size: int = 100_000
-    capacity_factor: float = 1.2
+    sample_size: int = 100_000  # values sampled to estimate the threshold (threshold_estimator: sampled)
+    capacity_factor: float = 1.2  # a message holds at most capacity_factor x density x n values
     # drop-ratio warm-up. dropping/local_mix: R_t = R ** (warmup_steps / (1 + t)) while t < warmup_steps;
     # dgc: density 0.25, 0.0625, ... (x 1/4 per stage) down to 1 - drop_ratio over warmup_steps (Lin et al.)
     warmup_steps: int = 0
@@ -41,16 +41,16 @@ class ExchangeConfig:
     sample_seed: int = 0  # seed of the threshold sampler's random offsets (rank is mixed in)
     # local_mix (Aji, Heafield & Bogoychev 2019)
     local_mode: str = "replace"  # sum | replace
-    average_every: int = 500
+    average_every: int = 500  # parameters are averaged across workers every this many optimizer steps
     # dgc (Lin et al. 2018)
     momentum: float = 0.9  # momentum correction; pair with train.optimizer: sgd and momentum 0
     local_clip_norm: float = 0.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
     # sbc (Sattler et al. 2018)
-    delay: int = 1
-    density: float = 0.01
-    preset: str = ""
+    delay: int = 1  # local optimizer steps between exchange rounds
+    density: float = 0.01  # fraction p of each tensor's update sent per round
+    preset: str = ""  # one of the paper's SBC configurations, overriding delay and density; empty = none
     # dgs (Yan et al. 2019): asynchronous parameter server
-    max_staleness: int = 16
+    max_staleness: int = 16  # dense refresh when a worker's last one is over this many server updates old
     # sbc (Sattler et al. 2018), continued: see docs/sbc.md
     sbc_binarize: bool = True  # false: send the kept values as fp32 (top-p sparsification only)
     sbc_selection: str = "per_sign"  # per_sign (top p of each sign) | magnitude (top p of |x|, then split)

@@ -31,8 +31,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    model_dir: str = "models/run"
-    seed: int = 1
+    model_dir: str = "models/run"  # the run's directory: checkpoints, vocabulary, config.yml, metrics, logs
+    seed: int = 1  # model initialisation (the same on every rank), dropout and batch shuffling
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

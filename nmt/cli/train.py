@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from nmt.cli.common import OneLineParser
 from nmt.config import Config, ConfigError, config_to_dict, dump_config, load_config
 from nmt.data.corpus import CorpusError, check_parallel_files
 from nmt.training.checkpoint import (
@@ -40,18 +41,13 @@ from nmt.training.distributed import (
     worker_info_from_env,
 )
 from nmt.training.errors import TrainingDiverged
+from nmt.training.init_from import apply_init_from
+from nmt.training.metrics import append_to_train_log, tensorboard_problem
 from nmt.training.precision import PrecisionError, require_runnable
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="nmt-train",
         description="Train a translation model; one YAML config drives everything.",
         epilog="Example: nmt-train --config recipes/bible-es-en.yml --workers 2 train.max_steps=1000",
@@ -73,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, code: int = 2) -> int:
-    print(f"nmt-train: error: {message}", file=sys.stderr, flush=True)
+def _fail(message: str, code: int = 2, model_dir: str | None = None) -> int:
+    """One line on stderr (and, from a worker whose model_dir exists, at the end of its train.log)."""
+    line = f"nmt-train: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if model_dir:
+        append_to_train_log(model_dir, line)
     return code
 
 
@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump_config:
         sys.stdout.write(dump_config(config))
         return 0
+    try:
+        apply_init_from(config)  # train.init_from: same architecture, its vocabulary (every process alike)
+    except ConfigError as err:
+        return _fail(str(err))
 
     hardware_problem = _hardware_problem(config)
     if hardware_problem:
@@ -165,6 +169,8 @@ def _launch_problem(config: Config) -> str:
             "train.backend is 'nccl' but the workers run on CPU (NCCL needs CUDA); "
             "use train.backend=auto or gloo"
         )
+    if config.train.tensorboard and tensorboard_problem():
+        return tensorboard_problem()
     data = config.data
     pairs = [("data.train", data.train), ("data.valid", data.valid)]
     if config.valid.test_at_end and (data.test.src or data.test.tgt):
@@ -311,6 +317,10 @@ def run_worker(config) -> int:
     from nmt.training.trainer import select_device
 
     info = worker_info_from_env()
+
+    def fail(message: str, code: int = 2) -> int:
+        return _fail(message, code, config.model_dir if info.is_main else None)
+
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
     torch.set_num_threads(threads)
     try:
@@ -318,26 +328,26 @@ def run_worker(config) -> int:
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
         _fit(config, info, device)
     except (CorpusError, FileNotFoundError, ConfigError, PrecisionError) as err:
-        return _fail(f"rank {info.rank}: {err}")
+        return fail(f"rank {info.rank}: {err}")
     except OSError as err:  # a full disk or lost permissions while writing logs or outputs: one line
         if info.world_size > 1 and isinstance(err, ConnectionError):
-            return _fail(
+            return fail(
                 f"rank {info.rank}: a connection to another worker failed ({err}); the job stops",
                 EXIT_PEER_LOST,
             )
-        return _fail(f"rank {info.rank}: {err}")
+        return fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
-        return _fail(
+        return fail(
             f"rank {info.rank}: interrupted; resume with the same command (checkpoints in "
             f"{config.model_dir})",
             130,
         )
     except TrainingDiverged as err:
-        return _fail(f"rank {info.rank}: {err}", 1)
+        return fail(f"rank {info.rank}: {err}", 1)
     except RuntimeError as err:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         if info.world_size > 1 and _is_collective_failure(err):
-            return _fail(
+            return fail(
                 f"rank {info.rank}: a collective failed, so another worker died or hung ({text}); "
                 f"the job stops; resume from the last checkpoint in {config.model_dir}",
                 EXIT_PEER_LOST,
@@ -352,7 +362,11 @@ def _fit(config: Config, info: WorkerInfo, device: torch.device) -> None:
     """Build and run the trainer in a frame of its own, so that nothing holds it once training ends."""
     from nmt.training.trainer import Trainer
 
-    Trainer(config, info, device).fit()
+    trainer = Trainer(config, info, device)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
 
 
 def _is_collective_failure(err: BaseException) -> bool:

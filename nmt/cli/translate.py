@@ -5,6 +5,11 @@ the flags override the stored `decode:` options. Reads stdin (or `--input`), wri
 `--output`), one sentence per line; with `--n-best N` writes Moses-style "i ||| hypothesis ||| score"
 lines (i counts input lines from 0).
 
+Streaming: input from a pipe or a terminal is translated as it arrives. Each batch holds only the lines that
+are already there (up to 2,000), and its translations are written and flushed at once, so `nmt-translate`
+can sit behind a pipe and answer line by line. Input from a file (`--input`, or stdin redirected from one)
+is read in batches of 2,000 lines, which lets the translator sort them by length.
+
 Robustness: input lines longer than `decode.max_input_tokens` subword tokens (`--max-input-tokens`, 0 = no
 limit) are cut to that length and counted in one warning at the end, so one runaway line cannot stall a job.
 Every bad input is one line on stderr and exit status 2: a missing or broken checkpoint (truncated `model.pt`,
@@ -16,21 +21,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import queue
+import stat
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, TextIO
 
+from nmt.cli.common import OneLineParser, fail, flag_message
 from nmt.decoding.translator import Translator, apply_overrides
 
 CHUNK_LINES = 2000  # lines translated at once: big enough to sort by length, small enough to stream
 LISTED_LINES = 10  # truncated line numbers listed in the warning
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 class InputError(ValueError):
@@ -38,7 +40,7 @@ class InputError(ValueError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="nmt-translate", description="Translate text with trained nmt model(s).")
+    parser = OneLineParser(prog="nmt-translate", description="Translate text with trained nmt model(s).")
     parser.add_argument(
         "--model",
         action="append",
@@ -100,6 +102,55 @@ def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
         yield [line.rstrip("\r\n") for line in chunk]
 
 
+_END = object()  # the reader thread's end-of-input marker
+
+
+def _arrived_chunks(lines: Iterator[str], size: int) -> Iterator[list[str]]:
+    """Chunks of at most `size` lines holding what has arrived so far: wait for one line, then take every
+    line that is already there. A reader thread does the (blocking) reading; an error it meets (input that is
+    not UTF-8) is raised here, after the lines before it were translated."""
+    arrived: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in lines:
+                arrived.put(line)
+        except Exception as error:  # handed to the translating thread, which reports it
+            arrived.put(error)
+        arrived.put(_END)
+
+    threading.Thread(target=read, name="nmt-translate-reader", daemon=True).start()
+    pending: object | None = None
+    while True:
+        item = pending if pending is not None else arrived.get()
+        pending = None
+        chunk: list[str] = []
+        while isinstance(item, str):
+            chunk.append(item)
+            if len(chunk) == size:
+                break
+            try:
+                item = arrived.get_nowait()
+            except queue.Empty:
+                break
+        else:  # the end or an error came after the chunk's lines: translate them first
+            pending = item
+        if chunk:
+            yield chunk
+        if pending is _END:
+            return
+        if isinstance(pending, Exception):
+            raise pending
+
+
+def _is_regular_file(stream: BinaryIO | TextIO) -> bool:
+    """True for a file on disk (batch it fully); False for a pipe, terminal or socket (stream it)."""
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test's StringIO): treat as a file
+        return True
+
+
 def _write(out: TextIO, translator: Translator, chunk: list[str], first_index: int, nbest: bool) -> None:
     if nbest:
         for offset, hyps in enumerate(translator.translate_nbest(chunk)):
@@ -109,21 +160,6 @@ def _write(out: TextIO, translator: Translator, chunk: list[str], first_index: i
         for text in translator.translate(chunk):
             out.write(text + "\n")
     out.flush()
-
-
-def _fail(parser: argparse.ArgumentParser, message: str) -> None:
-    """One line on stderr and exit status 2 (argparse's `error` would print the whole usage first)."""
-    message = " ".join(message.split())
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
-def _flag_message(message: str, args: argparse.Namespace) -> str:
-    """Name the flag when a decode option given on the command line is out of range."""
-    for option, flag in _FLAGS.items():
-        value = getattr(args, option)
-        if value is not None and message.startswith(f"decode.{option}"):
-            return f"{flag} {value}: {message}"
-    return message
 
 
 def _truncation_warning(lines: list[int], limit: int) -> str:
@@ -143,26 +179,26 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            _fail(parser, "--device cuda: CUDA is not available on this machine; use --device cpu")
+            fail(parser, "--device cuda: CUDA is not available on this machine; use --device cpu")
     for path in args.model:
         if not os.path.isdir(path):
             if os.path.exists(path):
-                _fail(
+                fail(
                     parser,
                     f"--model {path}: not a directory; point it at a model or step-* checkpoint directory",
                 )
-            _fail(parser, f"--model {path}: no such checkpoint directory")
+            fail(parser, f"--model {path}: no such checkpoint directory")
     if args.input:
         if os.path.isdir(args.input):
-            _fail(
+            fail(
                 parser,
                 f"--input {args.input}: is a directory, expected a text file with one sentence per line",
             )
         if not os.path.isfile(args.input):
-            _fail(parser, f"--input {args.input}: no such file")
+            fail(parser, f"--input {args.input}: no such file")
     if args.output and args.input and os.path.exists(args.output):
         if os.path.samefile(args.output, args.input):
-            _fail(parser, f"--output {args.output} is the --input file; writing would destroy the input")
+            fail(parser, f"--output {args.output} is the --input file; writing would destroy the input")
     overrides = {option: getattr(args, option) for option in _FLAGS if option != "n_best"}
     try:
         translator = Translator.from_checkpoints(args.model, device=args.device, **overrides)
@@ -173,30 +209,34 @@ def main(argv: list[str] | None = None) -> int:
             )
             translator.cfg = apply_overrides(translator.cfg, {"n_best": args.n_best, "beam_size": beam})
     except (ValueError, OSError) as error:
-        _fail(parser, _flag_message(str(error), args))
+        fail(parser, flag_message(str(error), args, _FLAGS))
     nbest = args.n_best is not None
     try:
         source = open(args.input, "rb") if args.input else getattr(sys.stdin, "buffer", sys.stdin)
     except OSError as error:
-        _fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
+        fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as error:
         if args.input:
             source.close()
-        _fail(
+        fail(
             parser, f"--output {args.output}: cannot write it ({error.strerror}); choose a writable location"
         )
     name = f"--input {args.input}" if args.input else "stdin"
     truncated: list[int] = []
     try:
         index = 0
-        for chunk in _chunks(_decoded_lines(source, name), CHUNK_LINES):
+        lines = _decoded_lines(source, name)
+        chunks = (
+            _chunks(lines, CHUNK_LINES) if _is_regular_file(source) else _arrived_chunks(lines, CHUNK_LINES)
+        )
+        for chunk in chunks:
             _write(out, translator, chunk, index, nbest)
             truncated.extend(index + i + 1 for i in translator.last_truncated)
             index += len(chunk)
     except InputError as error:
-        _fail(parser, str(error))
+        fail(parser, str(error))
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other Unix tools do.
         try:
@@ -207,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         where = f"--output {args.output}" if args.output else "stdout"
         reason = error.strerror or str(error)
-        _fail(parser, f"{where}: writing failed ({reason}); free disk space or choose another location")
+        fail(parser, f"{where}: writing failed ({reason}); free disk space or choose another location")
     finally:
         if args.input:
             source.close()

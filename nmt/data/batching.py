@@ -349,13 +349,12 @@ class TrainBatches:
         self._epoch, self._chunk, self._batch = epoch + 1, 0, 0
 
     def _summarize(self, epoch: int) -> None:
-        """Set `epoch_summary` (shown by the trainer: skipped pairs must not pass unnoticed) and log it."""
+        """Set `epoch_summary`, which the trainer shows (skipped pairs must not pass unnoticed)."""
         self.epoch_summary = (
             f"epoch {epoch}: {self.pairs:,} training pairs used, {self.skipped:,} skipped "
             f"({self.skipped_empty:,} with an empty side, {self.skipped_too_long:,} longer than "
             f"data.max_len={self.cfg.max_len} tokens), {self.dropped:,} left out of uneven chunks"
         )
-        log.info(self.epoch_summary)
 
 
 def eval_batches(

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 class ParallelFiles:
     """A source/target file pair (plain text or .gz), one sentence per line."""
 
-    src: str = ""
-    tgt: str = ""
+    src: str = ""  # source-language file
+    tgt: str = ""  # target-language file, line-aligned with src
 
 
 @dataclass
@@ -19,9 +19,9 @@ class VocabConfig:
 
     model: str = ""  # joint model path; empty -> <model_dir>/spm.model
     tgt_model: str = ""  # set for separate source/target vocabularies
-    size: int = 8000
+    size: int = 8000  # subword pieces per vocabulary (a soft limit: a small corpus gets fewer)
     type: str = "unigram"  # unigram | bpe
-    character_coverage: float = 1.0
+    character_coverage: float = 1.0  # share of characters covered (0.98 to 1); rarer ones map to unk
     train_sentences: int = 2_000_000  # at most this many lines are sampled to train sentencepiece
 
 
@@ -30,13 +30,13 @@ class DataConfig:
     train: ParallelFiles = field(default_factory=ParallelFiles)
     valid: ParallelFiles = field(default_factory=ParallelFiles)
     test: ParallelFiles = field(default_factory=ParallelFiles)
-    src_lang: str = "src"
-    tgt_lang: str = "tgt"
+    src_lang: str = "src"  # source language code: a label kept in the config, not read by the code
+    tgt_lang: str = "tgt"  # target language code: a label kept in the config, not read by the code
     vocab: VocabConfig = field(default_factory=VocabConfig)
     max_len: int = 128  # subword tokens, either side; longer training pairs are skipped
     batch_tokens: int = 4096  # per batch per worker: max(src, tgt) padded length x sentences
     buffer_sentences: int = 200_000  # streamed chunk: batches are bucketed and shuffled inside it
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle pairs and batch order inside each chunk (seeded); false keeps corpus order
     valid_max_sentences: int = 0  # 0 = all
 
     def validate(self) -> None:

@@ -63,7 +63,7 @@ def _check_compatible(models: list[Seq2Seq]) -> None:
 
 
 @contextlib.contextmanager
-def _eval_mode(models: list[Seq2Seq]):
+def eval_mode(models: list[Seq2Seq]):
     """Decode without dropout, then give the models back in the mode they came in (training may call us)."""
     was_training = [m.training for m in models]
     for m in models:
@@ -99,7 +99,7 @@ def beam_search(models: list[Seq2Seq], src: Tensor, cfg: DecodeConfig) -> list[l
     if batch == 0:
         return []
 
-    with _eval_mode(models):
+    with eval_mode(models):
         rows = torch.arange(batch, device=device).repeat_interleave(k)
         encoded = [_select(m.encode(src), rows) for m in models]
         states = [m.init_state(e) for m, e in zip(models, encoded)]

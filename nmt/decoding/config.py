@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 @dataclass
 class DecodeConfig:
-    beam_size: int = 5
+    beam_size: int = 5  # hypotheses kept per sentence in beam search; 1 = greedy decoding
     length_penalty: float = 1.0  # score / length**alpha
     max_len_factor: float = 2.0  # at most int(max_len_factor * src_len + max_len_b) output tokens
-    max_len_b: int = 10
-    n_best: int = 1
-    batch_sentences: int = 64
+    max_len_b: int = 10  # added to max_len_factor * src_len in the output length bound
+    n_best: int = 1  # best translations returned per sentence (at most beam_size; nmt-translate --n-best)
+    batch_sentences: int = 64  # sentences decoded together (inputs are sorted by length first)
     # Longer inputs (in source subword tokens, eos not counted) are cut to this many before decoding, so that
     # one runaway line (a whole chapter, a binary blob) cannot take hours or all memory; 0 = no limit.
     max_input_tokens: int = 250

@@ -9,20 +9,20 @@ from dataclasses import dataclass
 class ModelConfig:
     arch: str = "transformer"  # transformer | rnn
     preset: str = ""  # transformer: tiny | base | big ; rnn: s2s ; explicit fields below override the preset
-    d_model: int = 512
-    ffn_dim: int = 2048
-    heads: int = 8
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
+    d_model: int = 512  # transformer: embedding and hidden size
+    ffn_dim: int = 2048  # transformer: inner size of each feed-forward block
+    heads: int = 8  # transformer: attention heads; must divide d_model
+    encoder_layers: int = 6  # encoder layers (rnn: bidirectional layers, at most 4 are built)
+    decoder_layers: int = 6  # decoder layers (rnn: the conditional cell counts as one; at most 4 are built)
+    dropout: float = 0.1  # dropout probability on embeddings and layer outputs (rnn: also the context)
+    attention_dropout: float = 0.0  # transformer: dropout probability on the attention weights
     norm: str = "pre"  # pre | post
     tie_embeddings: str = "all"  # all (src, tgt, output; needs a joint vocab) | decoder (tgt + output) | none
-    max_positions: int = 1024
+    max_positions: int = 1024  # transformer: rows of the precomputed position table (grown for longer inputs)
     # rnn (Marian s2s style)
     cell: str = "gru"  # gru | lstm
-    rnn_hidden: int = 512
-    rnn_embed: int = 256
+    rnn_hidden: int = 512  # rnn: hidden size of each cell (per direction in the encoder)
+    rnn_embed: int = 256  # rnn: embedding size, also the size before the output layer
     rnn_layer_norm: bool = True  # layer-normalise RNN layer outputs (Marian --layer-normalization)
 
     def validate(self) -> None:

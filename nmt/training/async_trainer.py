@@ -76,7 +76,8 @@ from nmt.training.distributed import (
     worker_info_from_env,
 )
 from nmt.training.flat import FlatModel, flatten_model
-from nmt.training.metrics import MetricsLog, Progress
+from nmt.training.init_from import apply_init_from, copy_init_vocabulary, load_init_weights
+from nmt.training.metrics import TRAIN_LOG, Limits, MetricsLog, Progress, TrainLog, append_to_train_log
 from nmt.training.precision import PrecisionChoice, PrecisionError, resolve_precision
 from nmt.training.trainer import agree_on_precision, inverse_sqrt, record_test_scores, select_device
 
@@ -129,8 +130,10 @@ def main_async(config: Config, workers: int, child_argv: list[str]) -> int:
     return run_rank(config)
 
 
-def _fail(message: str, code: int = 2) -> int:
+def _fail(message: str, code: int = 2, model_dir: str | None = None) -> int:
     print(f"nmt-train: error: {message}", file=sys.stderr, flush=True)
+    if model_dir:
+        append_to_train_log(model_dir, f"nmt-train: error: {message}")
     return code
 
 
@@ -145,18 +148,22 @@ def run_rank(config: Config) -> int:
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
     torch.set_num_threads(threads)
     role = "parameter server" if info.rank == 0 else "worker"
+
+    def fail(message: str, code: int = 2) -> int:
+        return _fail(message, code, config.model_dir if info.is_main else None)
+
     try:
         device = select_device(config, info)
         init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
         _run_role(config, info, device)
     except PeerFailure as err:
-        return _fail(
+        return fail(
             f"rank {info.rank} ({role}): {err}; resume from the last checkpoint in {config.model_dir}", 1
         )
     except (CorpusError, FileNotFoundError, ConfigError, PrecisionError) as err:
-        return _fail(f"rank {info.rank}: {err}")
+        return fail(f"rank {info.rank}: {err}")
     except KeyboardInterrupt:
-        return _fail(
+        return fail(
             f"rank {info.rank}: interrupted; resume with the same command (checkpoints in "
             f"{config.model_dir})",
             130,
@@ -167,7 +174,7 @@ def run_rank(config: Config) -> int:
         if type(err).__name__ in ("DistBackendError", "DistNetworkError") or any(
             m in text.lower() for m in markers
         ):
-            return _fail(
+            return fail(
                 f"rank {info.rank} ({role}): communication failed, another process died or hung "
                 f"({text}); resume from the last checkpoint in {config.model_dir}",
                 1,
@@ -181,8 +188,16 @@ def run_rank(config: Config) -> int:
 def _run_role(config: Config, info: WorkerInfo, device: torch.device) -> None:
     """Build and run this rank's loop in a frame of its own, so nothing holds it (or the group) afterwards."""
     common = Common.build(config, info, device)
-    loop = ServerLoop(config, info, common) if info.rank == 0 else WorkerLoop(config, info, common)
-    loop.run()
+    try:
+        loop = ServerLoop(config, info, common) if info.rank == 0 else WorkerLoop(config, info, common)
+        try:
+            loop.run()
+        finally:
+            if isinstance(loop, ServerLoop):
+                loop.metrics.close()
+    finally:
+        if common.train_log is not None:
+            common.train_log.close()
 
 
 # ---------------------------------------------------------------------------------------------- shared set-up
@@ -200,15 +215,23 @@ class Common:
     flat: FlatModel
     link: Link
     precision: PrecisionChoice
+    train_log: TrainLog | None = None  # rank 0 (the server): <model_dir>/train.log
+    init_from: Path | None = None  # train.init_from checkpoint the weights came from (a fresh run only)
+    init_step: int | None = None
 
     @staticmethod
     def build(config: Config, info: WorkerInfo, device: torch.device) -> Common:
         model_dir = Path(config.model_dir)
+        train_log = None
         if info.is_main:
             model_dir.mkdir(parents=True, exist_ok=True)
+            train_log = TrainLog(model_dir / TRAIN_LOG)
         dist.barrier()
+        init_ckpt = apply_init_from(config)  # train.init_from: its vocabulary, copied into model_dir
         data = config.data
-        if info.is_main:  # rank 0 trains the vocabulary on first use; the others wait and load it
+        if info.is_main:  # rank 0 trains the vocabulary on first use (or copies init_from's); the others wait
+            if init_ckpt is not None:
+                copy_init_vocabulary(config, init_ckpt)
             vocabs = load_or_train_vocabs(data.vocab, data.train.src, data.train.tgt, model_dir)
         dist.barrier()
         if not info.is_main:
@@ -217,7 +240,9 @@ class Common:
         torch.manual_seed(config.seed)  # identical initial model on every rank: theta_w = theta at start
         model = build_model(
             config.model, len(src_vocab), len(tgt_vocab), src_vocab.pad_id, tgt_vocab.bos_id, tgt_vocab.eos_id
-        ).to(device)
+        )
+        init_step = load_init_weights(model, config, init_ckpt)  # every rank alike: one starting point
+        model.to(device)
         flat = flatten_model(model, model.parameter_kinds())
         torch.manual_seed(config.seed * 1000 + info.rank)
         random.seed(config.seed * 1000 + info.rank)
@@ -229,7 +254,19 @@ class Common:
             device,
             dist.group.WORLD,
         )
-        return Common(config, info, device, vocabs, model, flat, link, precision)
+        return Common(
+            config,
+            info,
+            device,
+            vocabs,
+            model,
+            flat,
+            link,
+            precision,
+            train_log,
+            init_ckpt if init_step is not None else None,
+            init_step,
+        )
 
     def writer(self) -> CheckpointWriter:
         return CheckpointWriter(
@@ -396,19 +433,33 @@ class ServerLoop:
         if resume is not None:
             self._load(resume)
         save_config(config, model_dir / "config.yml")
-        self.metrics = MetricsLog(model_dir / "metrics.jsonl", True, self.server.step)
+        self.metrics = MetricsLog(
+            model_dir / "metrics.jsonl", True, self.server.step, tensorboard=train.tensorboard
+        )
         self.resumed_from = resume
         self.expected_since = [time.monotonic()] * self.workers  # when each worker started on its next push
 
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> None:
         train, valid = self.config.train, self.config.valid
-        progress = Progress(True, train.progress, train.max_steps or None, self.server.step)
+        progress = Progress(
+            True,
+            train.progress,
+            Limits(train.max_steps, train.max_wall_s),
+            self.server.step,
+            self.run_state.wall_s,
+            log=self.common.train_log,
+        )
         mode = f"{self.mode}{', deterministic' if self.config.exchange.dgs_deterministic else ''}"
         progress.write(
             f"nmt-train: {count_parameters(self.common.model):,} parameters, {self.workers} worker(s) + "
             f"parameter server (asynchronous), device {self.common.device}, exchange dgs ({mode})"
             + (f", resumed from {self.resumed_from.name}" if self.resumed_from else "")
+            + (
+                f", initialised from {self.common.init_from} (step {self.common.init_step})"
+                if self.common.init_from
+                else ""
+            )
         )
         progress.write(f"nmt-train: {self.common.precision.message}")
         if self.common.precision.warning:
@@ -437,7 +488,7 @@ class ServerLoop:
             if step % train.log_every == 0 or stop:
                 row = interval.row(step, state, lr, self.workers, self.server)
                 self.metrics.write(row)
-                progress.update(interval.steps, row["loss"], row["tok_per_s"], row["bytes_per_step"])
+                progress.update(interval.steps, row)
                 interval = _Interval()
             due_valid = valid.every > 0 and step % valid.every == 0
             due_save = train.save_every > 0 and step % train.save_every == 0

@@ -10,12 +10,12 @@ class TrainConfig:
     optimizer: str = "adam"  # adam | sgd
     lr: float = 5e-4  # peak learning rate
     lr_schedule: str = "inverse_sqrt"  # inverse_sqrt | constant
-    warmup_steps: int = 4000
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    adam_eps: float = 1e-9
+    warmup_steps: int = 4000  # inverse_sqrt: linear warm-up to lr over this many steps, then 1/sqrt decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # Adam's beta1, beta2
+    adam_eps: float = 1e-9  # Adam's epsilon
     momentum: float = 0.0  # sgd only
-    weight_decay: float = 0.0
-    label_smoothing: float = 0.1
+    weight_decay: float = 0.0  # L2 penalty: weight_decay * parameters is added to the gradient; 0 = off
+    label_smoothing: float = 0.1  # probability mass spread over the vocabulary in the loss; 0 = off
     clip_norm: float = 1.0  # 0 disables clipping; applied to the exchanged (global) gradient
     optimizer_delay: int = 1  # micro-batches accumulated per optimizer step (delayed update)
     max_steps: int = 0  # 0 = no limit
@@ -31,14 +31,18 @@ class TrainConfig:
     precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads per worker; 0 = cores / local workers
-    log_every: int = 50
+    log_every: int = 50  # steps between train rows in metrics.jsonl and train.log
     save_every: int = 1000  # steps; 0 = only at the end
     keep_checkpoints: int = 2  # most recent step checkpoints kept (plus best)
     resume: bool = True  # continue from <model_dir>/last when it exists
+    # Start a new run from a trained model's weights and vocabulary (a model or step-* directory): fresh
+    # optimizer, schedule and data position, any worker count; not read once model_dir has a checkpoint.
+    init_from: str = ""
+    tensorboard: bool = False  # metrics.jsonl figures also as TensorBoard scalars (model_dir/tensorboard)
     workers: int = 1  # local worker processes to launch when not under torchrun
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
-    collective_timeout_s: float = 300.0
-    progress: bool = True
+    collective_timeout_s: float = 300.0  # seconds to wait for the other workers before stopping with an error
+    progress: bool = True  # show a progress bar (tqdm) on rank 0
     # The last worker sleeps this long before each step: a deliberate straggler, to measure what waiting for
     # the slowest worker costs (synchronous) and what asynchrony buys (exchange.method dgs).
     straggler_ms: int = 0
@@ -99,6 +103,7 @@ class TrainConfig:
 class ValidConfig:
     every: int = 1000  # steps; 0 = only at the end
     every_train_s: float = 0.0  # also validate each time this many seconds of training time have passed
+    # bleu | chrf; only checked: BLEU and chrF are both always computed when `translate` is on
     metrics: list[str] = field(default_factory=lambda: ["bleu", "chrf"])
     max_sentences: int = 0  # 0 = the whole dev set
     beam_size: int = 0  # 0 = decode.beam_size

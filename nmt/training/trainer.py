@@ -41,7 +41,8 @@ from nmt.training.checkpoint import (
 from nmt.training.distributed import WorkerInfo
 from nmt.training.errors import TrainingDiverged
 from nmt.training.flat import FlatModel, flatten_model
-from nmt.training.metrics import MetricsLog, Progress
+from nmt.training.init_from import apply_init_from, copy_init_vocabulary, load_init_weights
+from nmt.training.metrics import TRAIN_LOG, Limits, MetricsLog, Progress, TrainLog
 from nmt.training.precision import PrecisionChoice, resolve_precision
 
 
@@ -155,13 +156,20 @@ class Trainer:
         self.device = device
         self.model_dir = Path(config.model_dir)
         self.group = dist.group.WORLD if info.world_size > 1 else None
+        self.train_log: TrainLog | None = None
         if info.is_main:
             self.model_dir.mkdir(parents=True, exist_ok=True)
+            self.train_log = TrainLog(self.model_dir / TRAIN_LOG)
         self.barrier()
+        train = config.train
+        resume_dir = find_resume_dir(self.model_dir) if train.resume else None
+        init_ckpt = apply_init_from(config)  # train.init_from: its vocabulary, copied into model_dir
 
-        # Vocabulary: rank 0 trains it on first use; the others wait and load it.
+        # Vocabulary: rank 0 trains it on first use (or copies init_from's); the others wait and load it.
         data = config.data
         if info.is_main:
+            if init_ckpt is not None:
+                copy_init_vocabulary(config, init_ckpt)
             self.vocabs = load_or_train_vocabs(data.vocab, data.train.src, data.train.tgt, self.model_dir)
         self.barrier()
         if not info.is_main:
@@ -172,13 +180,16 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = build_model(
             config.model, len(src_vocab), len(tgt_vocab), src_vocab.pad_id, tgt_vocab.bos_id, tgt_vocab.eos_id
-        ).to(device)
+        )
+        # A fresh run with train.init_from starts from that model's weights (a resumed one from its own).
+        self.init_step = load_init_weights(self.model, config, init_ckpt)
+        self.init_from = init_ckpt if self.init_step is not None else None
+        self.model.to(device)
         self.flat: FlatModel = flatten_model(self.model, self.model.parameter_kinds())
         self.embedding_streams = self.model.embedding_streams()
         torch.manual_seed(config.seed * 1000 + info.rank)
         random.seed(config.seed * 1000 + info.rank)
 
-        train = config.train
         params = [p for _, p in self.flat.named]
         if train.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
@@ -226,7 +237,6 @@ class Trainer:
             self.model_dir, info.rank, info.world_size, self.barrier, keep=train.keep_checkpoints
         )
 
-        resume_dir = find_resume_dir(self.model_dir) if train.resume else None
         self.resumed_meta: dict[str, Any] = {}
         if resume_dir is not None:
             self.resumed_meta = self._load(resume_dir)
@@ -234,7 +244,9 @@ class Trainer:
                 restore_best_link(self.model_dir)  # a run killed between its save and its `best` link
         if info.is_main:
             save_config(config, self.model_dir / "config.yml")
-        self.metrics = MetricsLog(self.model_dir / "metrics.jsonl", info.is_main, self.state.step)
+        self.metrics = MetricsLog(
+            self.model_dir / "metrics.jsonl", info.is_main, self.state.step, tensorboard=train.tensorboard
+        )
         self.resumed_from = resume_dir
 
     # ------------------------------------------------------------------------------ collectives
@@ -395,7 +407,14 @@ class Trainer:
     def fit(self) -> RunState:
         """Train until a limit is reached; validate, checkpoint and log on the way."""
         train, valid = self.config.train, self.config.valid
-        progress = Progress(self.info.is_main, train.progress, train.max_steps or None, self.state.step)
+        progress = Progress(
+            self.info.is_main,
+            train.progress,
+            Limits(train.max_steps, train.max_wall_s, train.max_train_s),
+            self.state.step,
+            self.state.wall_s,
+            log=self.train_log,
+        )
         if self.info.is_main:
             n_params = count_parameters(self.model)
             progress.write(
@@ -403,6 +422,7 @@ class Trainer:
                 f"device {self.device}, "
                 f"exchange {self.config.exchange.method}"
                 + (f", resumed from {self.resumed_from.name}" if self.resumed_from else "")
+                + (f", initialised from {self.init_from} (step {self.init_step})" if self.init_from else "")
             )
             progress.write(f"nmt-train: {self.precision.message}")
             if self.precision.warning:
@@ -459,7 +479,7 @@ class Trainer:
                     "skipped_steps": self.state.skipped_steps,
                 }
                 self.metrics.write(row)
-                progress.update(interval.steps, row["loss"], row["tok_per_s"], row["bytes_per_step"])
+                progress.update(interval.steps, row)
                 interval = LogInterval()
 
             due_valid = (valid.every > 0 and step % valid.every == 0) or result.validate
@@ -478,6 +498,13 @@ class Trainer:
         if valid.test_at_end and self.config.data.test.src:
             self.test(progress)
         return self.state
+
+    def close(self) -> None:
+        """Close the TensorBoard writer and train.log (the run's files stay as they are)."""
+        self.metrics.close()
+        if self.train_log is not None:
+            self.train_log.close()
+            self.train_log = None
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (one tiny collective)."""

@@ -83,3 +83,38 @@ def test_stdin_to_stdout_nbest_moses_format(tmp_path, stub_translator, monkeypat
     assert rows == [[str(i), text, f"{score:.6f}"] for i, hyps in enumerate(expected) for text, score in hyps]
     assert len(rows) == 4
     assert stub_translator["overrides"]["beam_size"] == 3
+
+
+def test_arrived_chunks_batch_what_is_there_and_report_errors_after_the_lines_before():
+    import threading
+
+    gate = threading.Event()
+
+    def lines():
+        yield from ("a", "b", "c")  # there at once: chunks of at most `size` lines
+        gate.wait(5)  # the next line arrives only after the first chunk was taken
+        yield "d"
+        raise cli.InputError("stdin:5: not UTF-8 text")
+
+    chunks = cli._arrived_chunks(lines(), size=2)
+    before = []
+    while sum(len(c) for c in before) < 3:  # how the three split depends on the reader thread's pace
+        before.append(next(chunks))
+    assert [line for c in before for line in c] == ["a", "b", "c"]
+    assert all(1 <= len(c) <= 2 for c in before)
+    gate.set()
+    assert next(chunks) == ["d"]
+    with pytest.raises(cli.InputError, match="stdin:5"):
+        next(chunks)
+
+
+def test_files_are_batched_and_pipes_streamed(tmp_path):
+    import os
+
+    path = tmp_path / "in.txt"
+    path.write_text("x\n")
+    with open(path, "rb") as handle:
+        assert cli._is_regular_file(handle)
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as pipe, os.fdopen(write, "wb"):
+        assert not cli._is_regular_file(pipe)

@@ -1,0 +1,64 @@
+"""`nmt-export`: convert a trained checkpoint for another inference runtime.
+
+    nmt-export ctranslate2 --model DIR --out OUT [--quantization int8|int16|float16|bfloat16|float32]
+                           [--force]
+
+writes a CTranslate2 model directory for a Transformer checkpoint: the model, its vocabularies, the
+sentencepiece model(s) and a README.txt showing how to translate with it (see `nmt.export.ctranslate2`).
+The runtime's package is optional (`pip install -e '.[serve]'`) and imported only here.
+
+Every user error is one line on stderr and exit status 2: the runtime not installed, a missing or broken
+checkpoint, an RNN model, an --out that is a file or a non-empty directory (without --force).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nmt.cli.common import OneLineParser, fail
+from nmt.export.ctranslate2 import QUANTIZATIONS, export_ctranslate2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="nmt-export", description="Export a trained nmt model to another runtime.")
+    runtimes = parser.add_subparsers(dest="runtime", required=True, metavar="RUNTIME")
+    ct2 = runtimes.add_parser(
+        "ctranslate2",
+        help="a CTranslate2 model directory (Transformer models)",
+        description="Write a CTranslate2 model directory for a Transformer checkpoint.",
+    )
+    ct2.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="model directory (its best checkpoint) or step-* directory",
+    )
+    ct2.add_argument("--out", required=True, metavar="OUT", help="directory to write")
+    ct2.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="float32",
+        help="weight type (default: float32, the exact weights; int8 files are ~3.5x smaller)",
+    )
+    ct2.add_argument("--force", action="store_true", help="replace an earlier export in OUT")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.model):
+        what = "not a directory" if os.path.exists(args.model) else "no such directory"
+        fail(parser, f"--model {args.model}: {what}; point it at a model or step-* checkpoint directory")
+    try:
+        out = export_ctranslate2(args.model, args.out, args.quantization, force=args.force)
+    except (ValueError, OSError) as error:  # ExportError, CheckpointError, VocabError: one line already
+        fail(parser, str(error))
+    print(f"nmt-export: wrote {out} ({args.quantization}); see {out}/README.txt", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
