@@ -7,7 +7,7 @@ the runs logged (`<model_dir>/metrics.jsonl`), so every number in the report com
     python bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 \\
         --run dense exchange.method=dense \\
         --run dropping exchange.method=dropping exchange.drop_ratio=0.99 \\
-        --run local_mix exchange.method=local_mix exchange.local_mode=replace \\
+        --run local_mix exchange.method=local_mix exchange.local_mix.local_mode=replace \\
         --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.5 train.clip_norm=0 \\
         --common train.max_wall_s=600
     python bench/compare_methods.py --report-only --runs-dir models/compare    # re-read finished runs
@@ -42,8 +42,8 @@ DEFAULT_RUNS: list[tuple[str, list[str]]] = [
     ("dense", ["exchange.method=dense"]),
     ("dropping", ["exchange.method=dropping"]),
     ("dropping-2bit", ["exchange.method=dropping", "exchange.quantize_bits=2"]),
-    ("local_mix-replace", ["exchange.method=local_mix", "exchange.local_mode=replace"]),
-    ("local_mix-sum", ["exchange.method=local_mix", "exchange.local_mode=sum"]),
+    ("local_mix-replace", ["exchange.method=local_mix", "exchange.local_mix.local_mode=replace"]),
+    ("local_mix-sum", ["exchange.method=local_mix", "exchange.local_mix.local_mode=sum"]),
 ]
 PARAMS_LINE = re.compile(r"nmt-train: ([\d,]+) parameters")
 LOG_FILE = "compare.log"

@@ -1,12 +1,65 @@
-"""Configuration of the gradient exchange (`exchange:` section of a recipe), validated when loaded."""
+"""Configuration of the gradient exchange (`exchange:` section of a recipe), validated when loaded.
+
+Options shared by the sparsifying methods sit at `exchange.*`; each method's own options sit under its own
+key (`exchange.sbc.delay`, `exchange.local_mix.average_every`, ...). An option that the chosen method does not
+read, set away from its default, is an error naming the key: a recipe that says `exchange.sbc.delay: 10` while
+`exchange.method` is local_mix would otherwise run without a word about the delay it never used.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Runs in the asynchronous trainer (nmt/training/async_trainer.py), not through the method registry.
 ASYNC_METHODS = ("dgs",)
+
+# The sparsifying family: the methods that read the shared options at `exchange.*`.
+SPARSE_METHODS = ("dropping", "local_mix", "dgc", "dgs")
+# Which methods read each shared option; with any other method, a value away from the default is an error.
+# dgs reads threshold and quantize_bits only to refuse anything but `global` and 0 (it says so at start).
+SHARED_OPTION_METHODS: dict[str, tuple[str, ...]] = {
+    "drop_ratio": SPARSE_METHODS,
+    "threshold": SPARSE_METHODS,
+    "threshold_estimator": SPARSE_METHODS,
+    "sample_size": SPARSE_METHODS,
+    "capacity_factor": SPARSE_METHODS,
+    "warmup_steps": SPARSE_METHODS,
+    "dense_vectors": ("dropping", "local_mix", "dgc"),
+    "embedding_rows": ("dropping", "local_mix"),  # dgc sends embedding rows through its sparse path
+    "quantize_bits": SPARSE_METHODS,
+    "dense_fallback": SPARSE_METHODS,
+    "sample_seed": (*SPARSE_METHODS, "powersgd"),  # powersgd: the seed of its first Q
+}
+
+# The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
+METHOD_SECTIONS = ("local_mix", "dgc", "sbc", "dgs", "powersgd")
+
+# The flat keys of the exchange section before the options moved under their method (checkpoints written
+# before then hold them in config.yml): old key -> its place now, both relative to `exchange.`.
+RENAMED_KEYS: dict[str, str] = {
+    "local_mode": "local_mix.local_mode",
+    "average_every": "local_mix.average_every",
+    "momentum": "dgc.momentum",
+    "local_clip_norm": "dgc.local_clip_norm",
+    "delay": "sbc.delay",
+    "density": "sbc.density",
+    "preset": "sbc.preset",
+    "sbc_binarize": "sbc.binarize",
+    "sbc_selection": "sbc.selection",
+    "sbc_dense_vectors": "sbc.dense_vectors",
+    "sbc_momentum_masking": "sbc.momentum_masking",
+    "max_staleness": "dgs.max_staleness",
+    "dgs_mode": "dgs.mode",
+    "dgs_pull_density": "dgs.pull_density",
+    "dgs_deterministic": "dgs.deterministic",
+    "powersgd_rank": "powersgd.rank",
+    "powersgd_start_step": "powersgd.start_step",
+    "powersgd_min_compression_rate": "powersgd.min_compression_rate",
+}
+
+DGS_MIN_STALENESS = 16  # the auto staleness bound never goes below this many server updates
 
 
 def unknown_choice(key: str, what: str, value: object, choices: list[str], also: str = "") -> ValueError:
@@ -17,56 +70,157 @@ def unknown_choice(key: str, what: str, value: object, choices: list[str], also:
 
 
 @dataclass
+class LocalMixOptions:
+    """`exchange.local_mix`: the options of local_mix."""
+
+    # local_mix (Aji, Heafield & Bogoychev 2019)
+    local_mode: str = "replace"  # sum | replace
+    average_every: int = 500  # parameters are averaged across workers every this many optimizer steps
+
+    def validate(self) -> None:
+        if self.local_mode not in ("sum", "replace"):
+            raise ValueError(
+                f"exchange.local_mix.local_mode must be 'sum' or 'replace', got {self.local_mode!r}"
+            )
+        if self.average_every < 1:
+            raise ValueError(f"exchange.local_mix.average_every must be >= 1, got {self.average_every}")
+
+
+@dataclass
+class DgcOptions:
+    """`exchange.dgc`: the options of dgc."""
+
+    # dgc (Lin et al. 2018)
+    momentum: float = 0.9  # momentum correction; pair with train.optimizer: sgd and momentum 0
+    local_clip_norm: float = 0.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
+
+    def validate(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"exchange.dgc.momentum must be in [0, 1), got {self.momentum}")
+        if self.local_clip_norm < 0:
+            raise ValueError(
+                f"exchange.dgc.local_clip_norm must be >= 0 (0 = off), got {self.local_clip_norm}"
+            )
+
+
+@dataclass
+class SbcOptions:
+    """`exchange.sbc`: the options of sbc."""
+
+    # sbc (Sattler et al. 2018): see docs/sbc.md
+    delay: int = 1  # local optimizer steps between exchange rounds
+    density: float = 0.01  # fraction p of each tensor's update sent per round
+    preset: str = ""  # one of the paper's SBC configurations, overriding delay and density; empty = none
+    binarize: bool = True  # false: send the kept values as fp32 (top-p sparsification only)
+    selection: str = "per_sign"  # per_sign (top p of each sign) | magnitude (top p of |x|, then split)
+    dense_vectors: bool = False  # true: 1-D parameters travel dense (fp32), never binarized
+    momentum_masking: bool = True  # zero optimizer momentum where this rank's update was sent
+
+    def validate(self) -> None:
+        if self.delay < 1:
+            raise ValueError(f"exchange.sbc.delay must be >= 1, got {self.delay}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"exchange.sbc.density must be in (0, 1], got {self.density}")
+        if self.preset:
+            from compression.sbc import PRESETS as SBC_PRESETS
+
+            if self.preset not in SBC_PRESETS:
+                presets = list(SBC_PRESETS)
+                raise unknown_choice("exchange.sbc.preset", "SBC preset", self.preset, presets, ", or empty")
+        if self.selection not in ("per_sign", "magnitude"):
+            raise ValueError(
+                f"exchange.sbc.selection must be 'per_sign' or 'magnitude', got {self.selection!r}"
+            )
+
+
+@dataclass
+class DgsOptions:
+    """`exchange.dgs`: the options of dgs."""
+
+    # dgs (Yan et al. 2019): asynchronous parameter server, see docs/dgs.md. Push density is 1 - drop_ratio
+    # (with warmup_steps). Dense refresh when a worker's last one is over this many server updates
+    # old. 0 = auto: max(16, 2 x the number of workers), since with W workers each one pulls about
+    # every W server updates (an explicit bound below W makes most pulls dense refreshes: a warning at start)
+    max_staleness: int = 0
+    mode: str = "dual"  # dual (sparse push + sparse pull) | one_way (sparse push, dense pull) | dense
+    pull_density: float = 0.0  # density of the server's replies; 0 = the push density
+    deterministic: bool = False  # serve workers in fixed round-robin order (reproducible; tests)
+
+    def validate(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"exchange.dgs.max_staleness must be >= 0 (0 = auto), got {self.max_staleness}")
+        if self.mode not in ("dual", "one_way", "dense"):
+            raise ValueError(f"exchange.dgs.mode must be dual | one_way | dense, got {self.mode!r}")
+        if not 0.0 <= self.pull_density <= 1.0:
+            raise ValueError(
+                f"exchange.dgs.pull_density must be in [0, 1] (0 = push density), got {self.pull_density}"
+            )
+
+    def staleness_bound(self, workers: int) -> int:
+        """max_staleness, with 0 (auto) resolved for `workers` workers."""
+        return self.max_staleness or max(DGS_MIN_STALENESS, 2 * workers)
+
+
+@dataclass
+class PowerSgdOptions:
+    """`exchange.powersgd`: the options of powersgd."""
+
+    # powersgd (Vogels et al. 2019): see docs/baselines.md. Q's random start is seeded by sample_seed
+    rank: int = 4  # rank r of the low-rank approximation P Q^T of each matrix
+    start_step: int = 10  # plain fp32 all-reduce for the first steps (torch's start_powerSGD_iter)
+    min_compression_rate: float = 2.0  # compress an n x m matrix only if n*m > rate * (n+m) * r
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"exchange.powersgd.rank must be >= 1, got {self.rank}")
+        if self.start_step < 2:
+            # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start
+            raise ValueError(
+                f"exchange.powersgd.start_step must be >= 2 (as torch's start_powerSGD_iter), "
+                f"got {self.start_step}"
+            )
+        if self.min_compression_rate <= 0:
+            rate = self.min_compression_rate
+            raise ValueError(f"exchange.powersgd.min_compression_rate must be > 0, got {rate}")
+
+
+@dataclass
 class ExchangeConfig:
-    """Options of every exchange method; each method reads the ones it documents.
+    """How workers exchange gradients: the method, the options its sparsifying family shares, and one section
+    of options per method. The shared options are read by dropping, local_mix, dgc and dgs, except
+    dense_vectors (not dgs) and embedding_rows (dropping and local_mix only); powersgd reads sample_seed. An
+    option that `method` does not read (a shared one, or one under another method's key) must keep its
+    default: anything else is an error naming the key.
 
     method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd (see
     `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
     method: str = "dense"  # how workers exchange gradients or updates; dgs runs the asynchronous trainer
-    # gradient dropping (Aji & Heafield 2017) and the methods built on it
+    # gradient dropping (Aji & Heafield 2017) and the methods built on it (dropping, local_mix, dgc, dgs)
     drop_ratio: float = 0.99  # fraction of values not sent each step; density = 1 - drop_ratio (dgc, dgs too)
     threshold: str = "global"  # global | layer
     threshold_estimator: str = "sampled"  # sampled | exact
     sample_size: int = 100_000  # values sampled to estimate the threshold (threshold_estimator: sampled)
     capacity_factor: float = 1.2  # a message holds at most capacity_factor x density x n values
-    # drop-ratio warm-up. dropping/local_mix: R_t = R ** (warmup_steps / (1 + t)) while t < warmup_steps;
+    # drop-ratio warm-up. dropping/local_mix/dgs: R_t = R ** (warmup_steps / (1 + t)) while t < warmup_steps;
     # dgc: density 0.25, 0.0625, ... (x 1/4 per stage) down to 1 - drop_ratio over warmup_steps (Lin et al.)
     warmup_steps: int = 0
-    dense_vectors: bool = True  # 1-D parameters (biases, norms) travel dense
-    embedding_rows: bool = True  # untied input embeddings travel as (row id, row) for touched rows
+    dense_vectors: bool = True  # 1-D parameters (biases, norms) travel dense (dropping, local_mix, dgc)
+    # untied input embeddings travel as (row id, row) for touched rows (dropping, local_mix)
+    embedding_rows: bool = True
     quantize_bits: int = 0  # 0 (off) | 1 | 2: sign + bucketed magnitude codes for the kept values
     dense_fallback: bool = True  # all-reduce instead when a sparse message would not be smaller (warm-up)
-    sample_seed: int = 0  # seed of the threshold sampler's random offsets (rank is mixed in)
-    # local_mix (Aji, Heafield & Bogoychev 2019)
-    local_mode: str = "replace"  # sum | replace
-    average_every: int = 500  # parameters are averaged across workers every this many optimizer steps
-    # dgc (Lin et al. 2018)
-    momentum: float = 0.9  # momentum correction; pair with train.optimizer: sgd and momentum 0
-    local_clip_norm: float = 0.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
-    # sbc (Sattler et al. 2018)
-    delay: int = 1  # local optimizer steps between exchange rounds
-    density: float = 0.01  # fraction p of each tensor's update sent per round
-    preset: str = ""  # one of the paper's SBC configurations, overriding delay and density; empty = none
-    # dgs (Yan et al. 2019): asynchronous parameter server
-    max_staleness: int = 16  # dense refresh when a worker's last one is over this many server updates old
-    # sbc (Sattler et al. 2018), continued: see docs/sbc.md
-    sbc_binarize: bool = True  # false: send the kept values as fp32 (top-p sparsification only)
-    sbc_selection: str = "per_sign"  # per_sign (top p of each sign) | magnitude (top p of |x|, then split)
-    sbc_dense_vectors: bool = False  # true: 1-D parameters travel dense (fp32), never binarized
-    sbc_momentum_masking: bool = True  # zero optimizer momentum where this rank's update was sent
-    # dgs (Yan et al. 2019), continued: see docs/dgs.md. Push density is 1 - drop_ratio (with warmup_steps)
-    dgs_mode: str = "dual"  # dual (sparse push + sparse pull) | one_way (sparse push, dense pull) | dense
-    dgs_pull_density: float = 0.0  # density of the server's replies; 0 = the push density
-    dgs_deterministic: bool = False  # serve workers in fixed round-robin order (reproducible; tests)
-    # powersgd (Vogels et al. 2019): see docs/baselines.md. Q's random start is seeded by sample_seed
-    powersgd_rank: int = 4  # rank r of the low-rank approximation P Q^T of each matrix
-    powersgd_start_step: int = 10  # plain fp32 all-reduce for the first steps (torch's start_powerSGD_iter)
-    powersgd_min_compression_rate: float = 2.0  # compress an n x m matrix only if n*m > rate * (n+m) * r
+    # seed of the threshold sampler's random offsets (rank is mixed in); powersgd: the seed of its first Q's
+    sample_seed: int = 0
+    local_mix: LocalMixOptions = field(default_factory=LocalMixOptions)
+    dgc: DgcOptions = field(default_factory=DgcOptions)
+    sbc: SbcOptions = field(default_factory=SbcOptions)
+    dgs: DgsOptions = field(default_factory=DgsOptions)
+    powersgd: PowerSgdOptions = field(default_factory=PowerSgdOptions)
 
     def validate(self) -> None:
-        """Raise ValueError naming the key for any out-of-range option."""
+        """Raise ValueError naming the key for any out-of-range option, or one the method does not read."""
         from compression.registry import available_methods  # here: the registry imports this module
 
         methods = sorted({*available_methods(), *ASYNC_METHODS})
@@ -90,44 +244,49 @@ class ExchangeConfig:
             raise ValueError(f"exchange.quantize_bits must be 0, 1 or 2, got {self.quantize_bits}")
         if self.sample_seed < 0:
             raise ValueError(f"exchange.sample_seed must be >= 0, got {self.sample_seed}")
-        if self.local_clip_norm < 0:
-            raise ValueError(f"exchange.local_clip_norm must be >= 0 (0 = off), got {self.local_clip_norm}")
-        if self.local_mode not in ("sum", "replace"):
-            raise ValueError(f"exchange.local_mode must be 'sum' or 'replace', got {self.local_mode!r}")
-        if self.average_every < 1:
-            raise ValueError(f"exchange.average_every must be >= 1, got {self.average_every}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"exchange.momentum must be in [0, 1), got {self.momentum}")
-        if self.delay < 1:
-            raise ValueError(f"exchange.delay must be >= 1, got {self.delay}")
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"exchange.density must be in (0, 1], got {self.density}")
-        if self.preset:
-            from compression.sbc import PRESETS as SBC_PRESETS
+        for section in (self.local_mix, self.dgc, self.sbc, self.dgs, self.powersgd):
+            section.validate()
+        misplaced = self.options_not_read()
+        if misplaced:
+            raise ValueError(self.not_read_message(misplaced[0]))
 
-            if self.preset not in SBC_PRESETS:
-                presets = list(SBC_PRESETS)
-                raise unknown_choice("exchange.preset", "SBC preset", self.preset, presets, ", or empty")
-        if self.sbc_selection not in ("per_sign", "magnitude"):
-            raise ValueError(
-                f"exchange.sbc_selection must be 'per_sign' or 'magnitude', got {self.sbc_selection!r}"
+    def options_not_read(self) -> list[str]:
+        """Dotted keys (`exchange.sbc.delay`) set away from their default that `method` does not read."""
+        defaults = ExchangeConfig()
+        keys = [
+            f"exchange.{name}"
+            for name, readers in SHARED_OPTION_METHODS.items()
+            if self.method not in readers and getattr(self, name) != getattr(defaults, name)
+        ]
+        for section in METHOD_SECTIONS:
+            if section == self.method:
+                continue
+            options, default = getattr(self, section), getattr(defaults, section)
+            keys += [
+                f"exchange.{section}.{f.name}"
+                for f in dataclasses.fields(options)
+                if getattr(options, f.name) != getattr(default, f.name)
+            ]
+        return keys
+
+    def not_read_message(self, key: str) -> str:
+        """The error for `key`, one of `options_not_read()`: which methods read it, and the two ways out."""
+        name = key.split(".")[1]
+        if name in SHARED_OPTION_METHODS:
+            readers = SHARED_OPTION_METHODS[name]
+            return (
+                f"{key} is set but exchange.method is {self.method!r}; it only applies to methods "
+                f"{', '.join(readers)}: remove it or set exchange.method to one of them"
             )
-        if self.max_staleness < 1:
-            raise ValueError(f"exchange.max_staleness must be >= 1, got {self.max_staleness}")
-        if self.dgs_mode not in ("dual", "one_way", "dense"):
-            raise ValueError(f"exchange.dgs_mode must be dual | one_way | dense, got {self.dgs_mode!r}")
-        if not 0.0 <= self.dgs_pull_density <= 1.0:
-            raise ValueError(
-                f"exchange.dgs_pull_density must be in [0, 1] (0 = push density), got {self.dgs_pull_density}"
-            )
-        if self.powersgd_rank < 1:
-            raise ValueError(f"exchange.powersgd_rank must be >= 1, got {self.powersgd_rank}")
-        if self.powersgd_start_step < 2:
-            # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start
-            raise ValueError(
-                f"exchange.powersgd_start_step must be >= 2 (as torch's start_powerSGD_iter), "
-                f"got {self.powersgd_start_step}"
-            )
-        if self.powersgd_min_compression_rate <= 0:
-            rate = self.powersgd_min_compression_rate
-            raise ValueError(f"exchange.powersgd_min_compression_rate must be > 0, got {rate}")
+        return (
+            f"{key} is set but exchange.method is {self.method!r}; it only applies to method {name}: "
+            f"remove it or set exchange.method={name}"
+        )
+
+    def reset(self, key: str) -> None:
+        """Put the option at dotted `key` (`exchange.sbc.delay`) back to its default."""
+        *path, name = key.split(".")[1:]
+        target, default = self, ExchangeConfig()
+        for part in path:
+            target, default = getattr(target, part), getattr(default, part)
+        setattr(target, name, getattr(default, name))

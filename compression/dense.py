@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from compression.config import ExchangeConfig
-from compression.protocol import ExchangeStats, StepContext
+from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
 
 FP32_BYTES = 4
@@ -28,11 +26,10 @@ class DenseAllReduce:
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()
-        start = time.perf_counter()
         dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=ctx.group)
         flat_grad.div_(ctx.world_size)
         n_bytes = flat_grad.numel() * flat_grad.element_size()
-        return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes, seconds=time.perf_counter() - start)
+        return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 
     def after_step(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()
@@ -40,6 +37,11 @@ class DenseAllReduce:
     def synchronize_params(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         # Replicas apply identical averaged gradients with identical optimizers: nothing to do.
         return ExchangeStats()
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # the optimizer's state needs nothing from a dense exchange
 
     def state_dict(self) -> dict:
         return {}
@@ -57,7 +59,6 @@ def replicas_identical(flat_params: torch.Tensor, ctx: StepContext) -> tuple[boo
     """
     if ctx.world_size == 1:
         return True, ExchangeStats()
-    start = time.perf_counter()
     bits = flat_params.detach().view(torch.int32).to(torch.int64)
     weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
     sums = torch.stack([bits.sum(), (bits * weights).sum()])
@@ -65,17 +66,14 @@ def replicas_identical(flat_params: torch.Tensor, ctx: StepContext) -> tuple[boo
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ctx.group)
     identical = bool(torch.equal(extremes[:2], -extremes[2:]))  # max == min for both checksums
     n_bytes = extremes.numel() * extremes.element_size()
-    return identical, ExchangeStats(
-        bytes_sent=n_bytes, bytes_received=n_bytes, seconds=time.perf_counter() - start
-    )
+    return identical, ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 
 
 def average_parameters(flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
     """Average parameters across ranks in place (used by methods whose replicas drift apart)."""
     if ctx.world_size == 1:
         return ExchangeStats()
-    start = time.perf_counter()
     dist.all_reduce(flat_params, op=dist.ReduceOp.SUM, group=ctx.group)
     flat_params.div_(ctx.world_size)
     n_bytes = flat_params.numel() * FP32_BYTES
-    return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes, seconds=time.perf_counter() - start)
+    return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)

@@ -13,13 +13,11 @@ bit-identical and nothing needs synchronising later.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from compression.config import ExchangeConfig
-from compression.protocol import ExchangeStats, StepContext
+from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
 
 
@@ -33,18 +31,22 @@ class DenseBf16AllReduce:
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()  # as dense: the local gradient is the average, no rounding
-        start = time.perf_counter()
         payload = flat_grad.div_(ctx.world_size).to(torch.bfloat16)
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group)
         flat_grad.copy_(payload)
         n_bytes = payload.numel() * payload.element_size()
-        return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes, seconds=time.perf_counter() - start)
+        return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 
     def after_step(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()
 
     def synchronize_params(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()  # every rank applied the same reduced gradient
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # the optimizer's state needs nothing from a dense exchange
 
     def state_dict(self) -> dict:
         return {}

@@ -5,8 +5,8 @@ entries stale; DGC moves the momentum into the exchange (momentum correction) an
 coordinates it has just sent (momentum factor masking), so a delayed coordinate gets the update momentum SGD
 would have given it. Per rank i, step t, on the sparse part (g_i = this rank's summed local gradient):
 
-    g_i   <- g_i * min(1, c sqrt(P) / ||g_i||)   when exchange.local_clip_norm = c > 0 (optional, see below)
-    u_i   <- m u_i + g_i                         (momentum, m = exchange.momentum)
+    g_i   <- g_i * min(1, c sqrt(P) / ||g_i||)   when exchange.dgc.local_clip_norm = c > 0 (optional)
+    u_i   <- m u_i + g_i                         (momentum, m = exchange.dgc.momentum)
     v_i   <- v_i + u_i                           (momentum correction: accumulate velocity)
     S_i   =  top entries of v_i (same sparse round as dropping: sampled tau, fixed capacity, overflow stays)
     v_i   <- v_i - S_i ;  u_i[sent] <- 0         (momentum factor masking, both buffers)
@@ -32,7 +32,6 @@ gradient is the *average* (1/P) sum_i g_i, so rank i's contribution g_i / P is c
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from torch import Tensor
 from compression.config import ExchangeConfig
 from compression.dropping import exchange_stats
 from compression.partition import BufferPartition
-from compression.protocol import ExchangeStats, StepContext
+from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
 from compression.sparsify import ThresholdSparsifier
 
@@ -62,9 +61,9 @@ def dgc_density(drop_ratio: float, warmup_steps: int, step: int) -> float:
 @register("dgc")
 class DeepGradientCompression:
     """DGC with momentum correction, momentum factor masking, density warm-up and optional local clipping.
-    Options (exchange.*): drop_ratio, momentum, warmup_steps, local_clip_norm, threshold,
-    threshold_estimator, sample_size, capacity_factor, dense_vectors, quantize_bits, dense_fallback,
-    sample_seed."""
+    Options: exchange.dgc.momentum and exchange.dgc.local_clip_norm, and the shared exchange.* drop_ratio,
+    warmup_steps, threshold, threshold_estimator, sample_size, capacity_factor, dense_vectors, quantize_bits,
+    dense_fallback, sample_seed."""
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="dgc")
@@ -106,13 +105,12 @@ class DeepGradientCompression:
         return self.partition
 
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
-        start = time.perf_counter()
         part = self._prepare(flat_grad, ctx)
         u, v, u_dense = self.momentum, self.velocity, self.dense_momentum
         assert u is not None and v is not None and u_dense is not None
-        p, m = ctx.world_size, self.config.momentum
-        if self.config.local_clip_norm > 0:
-            limit = self.config.local_clip_norm * math.sqrt(p)
+        p, m = ctx.world_size, self.config.dgc.momentum
+        if self.config.dgc.local_clip_norm > 0:
+            limit = self.config.dgc.local_clip_norm * math.sqrt(p)
             norm = float(flat_grad.norm())
             if norm > limit:
                 flat_grad.mul_(limit / (norm + 1e-6))
@@ -136,7 +134,7 @@ class DeepGradientCompression:
         part.sparse.fill(flat_grad, 0.0)
         rnd.add_into(flat_grad, 1.0 / p)
         self.step += 1
-        return exchange_stats(rnd, flat_grad.numel(), bytes_dense, 0, 0, part.dense.numel, start)
+        return exchange_stats(rnd, flat_grad.numel(), bytes_dense, 0, 0, part.dense.numel)
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()
@@ -144,6 +142,11 @@ class DeepGradientCompression:
     def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         # All ranks apply the same decoded update: replicas stay identical.
         return ExchangeStats()
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # DGC masks its own momentum inside reduce; the optimizer is plain SGD
 
     def state_dict(self) -> dict:
         def clone(t: Tensor | None) -> Tensor | None:

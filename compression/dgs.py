@@ -9,7 +9,8 @@ Notation: n parameters in one flat fp32 buffer, W workers, d = push density, d' 
     worker w:  theta_w  its model copy;  u_w  its SAMomentum buffer
     server:    theta    the global model;  r_w  per worker, the model difference w has not received yet
 
-Worker step (SAMomentum; our reconstruction, the paper's equations were not available: algorithms.md 4.3):
+Worker step (SAMomentum; our reconstruction from the abstract of arXiv:1910.10929, whose equations were not
+available to us; docs/dgs.md, "The equations as implemented"):
     u <- u + g                      g: the worker's clipped gradient (+ weight_decay * theta_w)
     S  = top_d(|u|) of u            sampled threshold + fixed capacity (kernels.sparse_gather)
     push S;  u[sent] <- m * u[sent] momentum decays only where a coordinate was sent; unsent coordinates
@@ -24,7 +25,8 @@ Worker: theta_w <- theta_w + D   (or theta_w <- theta).
 Invariant: theta_w == theta - r_w for every worker, after any sequence of pushes and pulls.
 
 Staleness bound: a worker whose last dense refresh is more than `max_staleness` server updates old gets the
-whole model (a dense refresh) instead of a sparse difference; refreshes are counted.
+whole model (a dense refresh) instead of a sparse difference; refreshes are counted. Each worker pulls about
+every W server updates, so the bound must exceed W (exchange.dgs.max_staleness: 0 picks max(16, 2W)).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ PAIR_BYTES = 8  # one sent coordinate: int32 index + fp32 value
 DENSE_BYTES = 4  # one fp32 value of a dense message
 
 SPARSE, DENSE, PARAMS = "sparse", "dense", "params"
-MODES = ("dual", "one_way", "dense")  # exchange.dgs_mode: push / pull sparse or dense
+MODES = ("dual", "one_way", "dense")  # exchange.dgs.mode: push / pull sparse or dense
 
 __all__ = [
     "DENSE",
@@ -280,7 +282,7 @@ class ParameterServer:
             raise ValueError(
                 f"server state has pending differences of shape {tuple(state['pending'].shape)}, this run "
                 f"needs "
-                f"{tuple(self.pending.shape)} (different worker count, model or dgs_mode)"
+                f"{tuple(self.pending.shape)} (different worker count, model or exchange.dgs.mode)"
             )
         self.pending.copy_(state["pending"])
         self.step = int(state["step"])

@@ -17,15 +17,13 @@ Local mixing (compression/local_mix.py) reuses this round and only changes how G
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
 from compression.config import ExchangeConfig
 from compression.lossless import average_dense_part, average_embedding_rows
 from compression.partition import BufferPartition
-from compression.protocol import ExchangeStats, StepContext
+from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
 from compression.sparsify import SparseRound, ThresholdSparsifier
 
@@ -92,7 +90,6 @@ def exchange_stats(
     bytes_rows: int,
     values_rows: int,
     dense_numel: int,
-    start: float,
 ) -> ExchangeStats:
     """Stats of one reduce: payload bytes per path, fraction of coordinates sent, round diagnostics."""
     sent_values = rnd.count + values_rows + dense_numel
@@ -100,7 +97,6 @@ def exchange_stats(
         bytes_sent=rnd.bytes_sent + bytes_rows + bytes_dense,
         bytes_received=rnd.bytes_received + bytes_dense,  # all-reduce: counted like compression.dense
         density=sent_values / max(1, n),
-        seconds=time.perf_counter() - start,
         extra={
             "bytes_sparse": float(rnd.bytes_sent),
             "bytes_rows": float(bytes_rows),
@@ -126,7 +122,6 @@ def reduce_with_residual(
         sum:     G_i = (1/P) (L_i + sum_j S_j)
         replace: G_i = (1/P) (L_i - S_i + sum_j S_j) = (1/P) (L_i + sum_{j != i} S_j)
     """
-    start = time.perf_counter()
     part = state.prepare(flat_grad, ctx)
     p = ctx.world_size
     bytes_dense = average_dense_part(flat_grad, part.dense, ctx)
@@ -142,9 +137,7 @@ def reduce_with_residual(
         part.sparse.scale(flat_grad, 1.0 / p)
     rnd.add_into(flat_grad, 1.0 / p, exclude_own=local_mode == "replace")
     state.step += 1
-    stats = exchange_stats(
-        rnd, flat_grad.numel(), bytes_dense, bytes_rows, values_rows, part.dense.numel, start
-    )
+    stats = exchange_stats(rnd, flat_grad.numel(), bytes_dense, bytes_rows, values_rows, part.dense.numel)
     stats.bytes_received += received_rows
     return stats
 
@@ -169,6 +162,11 @@ class GradientDropping:
     def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         # Every rank applies the same decoded gradient with the same optimizer: replicas stay identical.
         return ExchangeStats()
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # the optimizer applies the exchanged gradient as it is
 
     def state_dict(self) -> dict:
         return self.state.state_dict()

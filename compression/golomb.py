@@ -3,7 +3,7 @@
 Why: a sparse binary message is only positions (one shared value per tensor), so the position bits
 *are* the message. Gaps between kept positions of a Bernoulli(p) mask are geometric, and a Rice code
 (Golomb code with parameter M = 2^b) is close to the entropy bound for them: about 8.1 bits per
-position at p = 0.01 instead of 32 for a raw int32 index (algorithms.md 5.3).
+position at p = 0.01 instead of 32 for a raw int32 index (docs/sbc.md, "Measured bits per position").
 
 Code word for one gap (gap = distance to the previous position, the first measured from -1), with
 v = gap - 1, q = v >> b, r = v & (2^b - 1): q one-bits, a zero-bit, then the b bits of r (MSB first).
@@ -29,7 +29,7 @@ _BIT_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
 
 def rice_parameter(p: float) -> int:
-    """b* = 1 + floor(log2(ln(phi - 1) / ln(1 - p))) for a mask of density p (algorithms.md 5.3).
+    """b* = 1 + floor(log2(ln(phi - 1) / ln(1 - p))) for a mask of density p (Sattler et al. 2018).
 
     Natural logarithms in both places (consistent bases); densities above ~0.38 give b* = 0 (pure unary).
     """
@@ -42,8 +42,8 @@ def rice_parameter(p: float) -> int:
 def expected_bits_per_position(p: float, b: int | None = None) -> float:
     """b̄ = b + 1 / (1 - (1 - p)^(2^b)): expected code length per position of a Bernoulli(p) mask.
 
-    b defaults to `rice_parameter(p)`. This is the formula of algorithms.md 5.3 without the extra
-    bit that the authors' later code adds.
+    b defaults to `rice_parameter(p)`. This is Sattler et al.'s expected code length, without the extra
+    bit that the authors' later code adds (`get_bits` in felisat/federated-learning, compression_utils.py).
     """
     if b is None:
         b = rice_parameter(p)

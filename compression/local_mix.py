@@ -3,7 +3,7 @@ a rank's own gradient.
 
 Why: dropping 99% of the gradient hurts Transformers badly; each rank still has its own full gradient at no
 network cost, so it applies that densely and adds only the *other* ranks' sparse messages. Replicas then
-apply different updates and drift, so parameters are averaged every `average_every` steps.
+apply different updates and drift, so parameters are averaged every `exchange.local_mix.average_every` steps.
 
 Per rank i, on the sparse part (L_i = local summed gradient, S_j = rank j's message, same round as dropping):
     replace (default): G_i = (1/P) (L_i - S_i + sum_j S_j) = (1/P) (L_i + sum_{j != i} S_j)
@@ -22,19 +22,20 @@ sparse part.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from compression.config import ExchangeConfig
 from compression.dense import average_parameters
 from compression.dropping import ResidualState, reduce_with_residual
-from compression.protocol import ExchangeStats, StepContext
+from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
 
 
 @register("local_mix")
 class LocalMix:
-    """Global sparse + local dense gradients with periodic parameter averaging. Options (exchange.*): those of
-    dropping, plus local_mode (sum | replace) and average_every."""
+    """Global sparse + local dense gradients with periodic parameter averaging. Options: those of dropping
+    (exchange.*), plus exchange.local_mix.local_mode (sum | replace) and exchange.local_mix.average_every."""
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="local_mix")
@@ -43,11 +44,11 @@ class LocalMix:
         self.steps_since_average = 0
 
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
-        return reduce_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mode)
+        return reduce_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mix.local_mode)
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         self.steps_since_average += 1
-        if self.state.step > 0 and self.state.step % self.config.average_every == 0:
+        if self.state.step > 0 and self.state.step % self.config.local_mix.average_every == 0:
             return self._average(flat_params, ctx)
         return ExchangeStats()
 
@@ -55,6 +56,11 @@ class LocalMix:
         if self.steps_since_average == 0:
             return ExchangeStats()  # replicas are identical already (every rank's counter agrees)
         return self._average(flat_params, ctx)
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # Adam moments stay per rank, as in the authors' code (see the module docstring)
 
     def _average(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         stats = average_parameters(flat_params, ctx)

@@ -9,12 +9,12 @@ notes say it works on gloo only with a single bucket. So this module is the hook
 itself on the same inputs.
 
 Per call, with W > 1 ranks and t this object's step counter (one rank: nothing to do, as dense):
-    t < powersgd_start_step: plain fp32 all-reduce (divide by W, then SUM), as the hook before its
+    t < powersgd.start_step: plain fp32 all-reduce (divide by W, then SUM), as the hook before its
         start_powerSGD_iter
     otherwise, x = g + e (e: this rank's residual, zero at first):
         1-D spans and matrices not worth compressing ((n + m) r' * min_compression_rate >= n m): their
             concatenation is all-reduced in one call and divided by W
-        every other span is a matrix M (n = shape[0], m = the rest), r' = min(n, m, powersgd_rank):
+        every other span is a matrix M (n = shape[0], m = the rest), r' = min(n, m, powersgd.rank):
             Q <- orth(Q)     Q (m x r') warm-started from the previous step; the first time seeded N(0, 1)
             P = M Q;  all_reduce(all P's);  P <- orth(P)
             Q = M^T P;  all_reduce(all Q's);  Q <- Q / W;  M <- P Q^T
@@ -35,7 +35,6 @@ With the bucket's tensor order as layout, the test finds the hook's gradients an
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +96,8 @@ def orthogonalize(matrices: Tensor) -> None:
 
 @register("powersgd")
 class PowerSGD:
-    """PowerSGD with error feedback and warm start. Options (exchange.*): powersgd_rank, powersgd_start_step,
-    powersgd_min_compression_rate, sample_seed (the first Q's)."""
+    """PowerSGD with error feedback and warm start. Options: exchange.powersgd.rank, start_step and
+    min_compression_rate, and exchange.sample_seed (the first Q's)."""
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="powersgd")
@@ -110,9 +109,8 @@ class PowerSGD:
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()  # as dense: the local gradient is the average
-        start = time.perf_counter()
         numel = flat_grad.numel()
-        if self.step < self.config.powersgd_start_step:
+        if self.step < self.config.powersgd.start_step:
             flat_grad.div_(ctx.world_size)
             dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=ctx.group)
             sent = numel
@@ -120,18 +118,11 @@ class PowerSGD:
             sent = self._compressed_reduce(flat_grad, ctx)
         self.step += 1
         n_bytes = sent * FP32_BYTES
-        return ExchangeStats(
-            bytes_sent=n_bytes,
-            bytes_received=n_bytes,
-            density=sent / max(1, numel),
-            seconds=time.perf_counter() - start,
-        )
+        return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes, density=sent / max(1, numel))
 
     def _compressed_reduce(self, flat_grad: Tensor, ctx: StepContext) -> int:
-        cfg, world = self.config, ctx.world_size
-        matrices, uncompressed = split_layout(
-            ctx.layout, cfg.powersgd_rank, cfg.powersgd_min_compression_rate
-        )
+        cfg, world = self.config.powersgd, ctx.world_size
+        matrices, uncompressed = split_layout(ctx.layout, cfg.rank, cfg.min_compression_rate)
         if self.residual is not None:
             flat_grad.add_(self.residual.to(flat_grad.device))
         with_error = flat_grad.clone()
@@ -184,6 +175,11 @@ class PowerSGD:
 
     def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()  # every rank applied the same all-reduced result
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
+    ) -> None:
+        pass  # the optimizer applies the exchanged gradient as it is
 
     def state_dict(self) -> dict:
         def clone(t: Tensor | None) -> Tensor | None:

@@ -55,7 +55,6 @@ class StepContext:
     layout: list[ParamSpan]
     group: dist.ProcessGroup | None = None
     touched_rows: dict[str, torch.Tensor] = field(default_factory=dict)
-    is_last_step_before_eval: bool = False
 
     @property
     def numel(self) -> int:
@@ -69,7 +68,6 @@ class ExchangeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     density: float = 1.0
-    seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: ExchangeStats) -> ExchangeStats:
@@ -77,7 +75,6 @@ class ExchangeStats:
             bytes_sent=self.bytes_sent + other.bytes_sent,
             bytes_received=self.bytes_received + other.bytes_received,
             density=min(self.density, other.density),
-            seconds=self.seconds + other.seconds,
             extra={**self.extra, **other.extra},
         )
 
@@ -96,6 +93,14 @@ class GradientExchange(Protocol):
 
     def synchronize_params(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         """Make parameters identical across ranks now (called before validation and checkpoints)."""
+        ...
+
+    def on_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], layout: list[ParamSpan]
+    ) -> None:
+        """Adjust the optimizer's state to what the exchange just did; called after `after_step` and after
+        `synchronize_params`. `params` are the optimizer's parameters in `layout` order. Most methods do
+        nothing here; SBC zeroes the momentum where its last round sent (momentum masking)."""
         ...
 
     def state_dict(self) -> dict:

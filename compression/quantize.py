@@ -4,7 +4,9 @@ Why: after gradient dropping, the 4-byte index dominates a 4-byte value; quantiz
 a pair from 64 to 33-34 bits (Aji & Heafield 2017 combine dropping with quantization). The quantization
 error is returned to the residual by the caller, so nothing is lost, only delayed.
 
-Scheme (ours; Aji's bucket scheme from algorithms.md 2.4 in its AVG form, with exact bucket means):
+Scheme (ours; the bucket scheme of Aji's research code for the 2017 paper, afaji/Marian@4b929e32576c
+src/training/dropper.h, in its AVG form, with exact bucket means where that code estimates them from the
+threshold sample):
     levels L = 2 ** (bits - 1) magnitude buckets per group (1 bit: sign only; 2 bits: sign + 1 magnitude bit)
     per group g (the whole message, or one parameter span with layer-wise thresholds):
         lo_g, hi_g = min and max |v| of the group's kept values;  w_g = (hi_g - lo_g) / L

@@ -14,6 +14,8 @@ Contract with the training step (see design.md "The update step"):
 * `synchronize_params` mid-round runs that round early (so replicas are identical before validation
   and checkpoints); at the very first call (no W_sync yet) it checks that replicas agree (32 bytes) and
   averages parameters densely only if they do not.
+* `on_optimizer_step` (called after both) zeroes the optimizer's momentum where the last round sent this
+  rank's update (momentum masking), once per round.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ def sparse_binarize(
 ) -> tuple[torch.Tensor, float]:
     """SBC operator on one flat tensor: (sorted positions of the surviving sign, their shared signed mean).
 
-    per_sign (algorithms.md 5.2): the k = ceil(pN) largest entries and the k most negative entries are
-    candidates (only strictly positive / negative ones); the side with the larger mean magnitude wins.
+    per_sign (our reading of Sattler et al. 2018's sparse binarization; docs/sbc.md): the k = ceil(pN)
+    largest entries and the k most negative entries are candidates (only strictly positive / negative
+    ones); the side with the larger mean magnitude wins.
     magnitude: the k largest |x| are kept, then split by sign; the side with the larger mean magnitude wins.
     Ties go to the positive side. An all-zero tensor yields no positions.
     """
@@ -101,7 +104,7 @@ def sparse_binarize(
         pos_idx, neg_idx = idx[kept > 0], idx[kept < 0]
         pos_vals, neg_vals = kept[kept > 0], kept[kept < 0].neg()
     else:
-        raise ValueError(f"exchange.sbc_selection must be one of {SELECTIONS}, got {selection!r}")
+        raise ValueError(f"exchange.sbc.selection must be one of {SELECTIONS}, got {selection!r}")
     mean_pos = pos_vals.mean().item() if pos_vals.numel() else 0.0
     mean_neg = neg_vals.mean().item() if neg_vals.numel() else 0.0
     if pos_vals.numel() == 0 and neg_vals.numel() == 0:
@@ -141,9 +144,9 @@ class SparseBinaryCodec:
     """Encodes a flat update tensor into one byte message (per span, in layout order) and back.
 
     Per span the message is
-      dense span (1-D with sbc_dense_vectors):  N fp32 values
+      dense span (1-D with sbc.dense_vectors):  N fp32 values
       binarized:                                 header <count u32, b u8, mean f32> + Rice stream
-      values (sbc_binarize false):               header <count u32, b u8> + Rice stream + count fp32 values
+      values (sbc.binarize false):               header <count u32, b u8> + Rice stream + count fp32 values
     Receivers know the layout, so no shapes travel (as in the paper).
     """
 
@@ -243,46 +246,47 @@ def _gather_messages(message: torch.Tensor, ctx: StepContext) -> list[torch.Tens
 class SparseBinaryCompression:
     """SBC: local steps for `delay` optimizer steps, then one sparse-binary round of weight-update averaging.
 
-    Options (ExchangeConfig): delay, density (p), preset (no-delay | delay-10 | delay-100, overrides
-    delay and density), sbc_binarize, sbc_selection, sbc_dense_vectors, sbc_momentum_masking.
+    Options (exchange.sbc.*): delay, density (p), preset (no-delay | delay-10 | delay-100, overrides
+    delay and density), binarize, selection, dense_vectors, momentum_masking.
     """
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="sbc")
-        delay, density = self.config.delay, self.config.density
-        if self.config.preset:
-            if self.config.preset not in PRESETS:
-                near = difflib.get_close_matches(self.config.preset, list(PRESETS), n=1)
+        options = self.config.sbc
+        delay, density = options.delay, options.density
+        if options.preset:
+            if options.preset not in PRESETS:
+                near = difflib.get_close_matches(options.preset, list(PRESETS), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 raise ValueError(
-                    f"exchange.preset: unknown SBC preset {self.config.preset!r}{hint} "
+                    f"exchange.sbc.preset: unknown SBC preset {options.preset!r}{hint} "
                     f"(available: {', '.join(PRESETS)})"
                 )
-            delay, density = PRESETS[self.config.preset]
+            delay, density = PRESETS[options.preset]
             logger.info(
-                "exchange.preset %s: delay=%d, density=%g (overrides exchange.delay=%d, exchange.density=%g)",
-                self.config.preset,
+                "exchange.sbc.preset %s: delay=%d, density=%g (overrides exchange.sbc.delay=%d, "
+                "exchange.sbc.density=%g)",
+                options.preset,
                 delay,
                 density,
-                self.config.delay,
-                self.config.density,
+                options.delay,
+                options.density,
             )
         if delay < 1:
-            raise ValueError(f"exchange.delay must be >= 1, got {delay}")
+            raise ValueError(f"exchange.sbc.delay must be >= 1, got {delay}")
         if not 0.0 < density <= 1.0:
-            raise ValueError(f"exchange.density must be in (0, 1], got {density}")
-        selection = self.config.sbc_selection
-        if selection not in SELECTIONS:
+            raise ValueError(f"exchange.sbc.density must be in (0, 1], got {density}")
+        if options.selection not in SELECTIONS:
             raise ValueError(
-                f"exchange.sbc_selection must be one of {', '.join(SELECTIONS)}, got {selection!r}"
+                f"exchange.sbc.selection must be one of {', '.join(SELECTIONS)}, got {options.selection!r}"
             )
         self.delay = delay
         self.density = density
         self.codec = SparseBinaryCodec(
             density=density,
-            binarize=self.config.sbc_binarize,
-            selection=selection,
-            dense_vectors=self.config.sbc_dense_vectors,
+            binarize=options.binarize,
+            selection=options.selection,
+            dense_vectors=options.dense_vectors,
         )
         self.residual: torch.Tensor | None = None  # what this rank has not sent yet (fp32, size n)
         self.params_at_last_sync: torch.Tensor | None = None  # W_sync, identical on all ranks
@@ -290,6 +294,7 @@ class SparseBinaryCompression:
         self.rounds = 0
         self.last_message: torch.Tensor | None = None  # this rank's last wire bytes (for tests, debugging)
         self.last_sent: list[torch.Tensor] = []  # per span, positions this rank sent in the last round
+        self.momentum_to_mask = False  # a round ran since the last on_optimizer_step: mask last_sent there
 
     # --- GradientExchange ----------------------------------------------------------------------------
 
@@ -329,19 +334,20 @@ class SparseBinaryCompression:
         self.steps_since_sync = int(state["steps_since_sync"])
         self.rounds = int(state["rounds"])
 
-    # --- momentum masking ------------------------------------------------------------------------------
-
-    def mask_momentum(
+    def on_optimizer_step(
         self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], layout: Sequence[ParamSpan]
     ) -> None:
-        """Zero the optimizer's momentum where this rank's update was just sent (paper: momentum masking).
+        """Momentum masking (paper): zero the optimizer's momentum where this rank's last round sent.
 
-        Call after an `after_step`/`synchronize_params` that ran a round (stats.extra["sbc_round"] == 1).
-        `params` are the optimizer's parameters in `layout` order. Zeroes SGD's `momentum_buffer` and
-        Adam's `exp_avg` (the latter is our extension; the paper used momentum SGD). Dense spans are
-        left alone. A no-op when sbc_momentum_masking is false.
+        Acts once per round: the first call after the `after_step`/`synchronize_params` that ran it. `params`
+        are the optimizer's parameters in `layout` order. Zeroes SGD's `momentum_buffer` and Adam's `exp_avg`
+        (the latter is our extension; the paper used momentum SGD). Dense spans are left alone. Does nothing
+        when exchange.sbc.momentum_masking is false.
         """
-        if not self.config.sbc_momentum_masking or not self.last_sent:
+        if not self.momentum_to_mask:
+            return
+        self.momentum_to_mask = False
+        if not self.config.sbc.momentum_masking:
             return
         for param, span, positions in zip(params, layout, self.last_sent):
             if positions.numel() == 0 or param not in optimizer.state:
@@ -359,15 +365,12 @@ class SparseBinaryCompression:
         """First call: no W_sync yet. Replicas that already agree (the trainers seed every rank alike) cost a
         32-byte check; otherwise the parameters are averaged densely once. The result is W_sync."""
         identical, stats = replicas_identical(flat_params, ctx)
-        if identical:
-            stats.extra["params_unchanged"] = 1.0  # nothing to average (the trainer skips its EMA average)
-        else:
+        if not identical:
             stats = stats.merge(average_parameters(flat_params, ctx))
         self.params_at_last_sync = flat_params.clone()
         if self.residual is None or self.residual.numel() != flat_params.numel():
             self.residual = torch.zeros_like(self.params_at_last_sync)
         self.steps_since_sync = 0
-        stats.extra["sbc_start"] = 1.0
         return stats
 
     @torch.no_grad()
@@ -399,15 +402,14 @@ class SparseBinaryCompression:
         self.rounds += 1
         self.last_message = encoded.message
         self.last_sent = encoded.positions
+        self.momentum_to_mask = True
         own = encoded.message.numel()
         received = sum(m.numel() for m in messages) - own
         return ExchangeStats(
             bytes_sent=own,
             bytes_received=received,
             density=sent / max(flat_params.numel(), 1),
-            seconds=decoded_at - start,
             extra={
-                "sbc_round": 1.0,
                 "sbc_positions": float(sent),
                 "sbc_position_bits": float(encoded.position_bits),
                 "sbc_encode_s": encoded_at - start,

@@ -1,10 +1,11 @@
-"""The Triton path of the kernel API: same functions and results as ``kernels.torch_ops``.
+"""The Triton path of the kernel API: the functions that have one, with the results of ``kernels.torch_ops``.
 
 Why a separate module: importing it imports triton, which the dispatcher in ``kernels`` does lazily, only
 when a Triton path is actually wanted (a CUDA tensor, or ``NMT_KERNELS=triton``). Under
-``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests). Operations that have no kernel of their
-own here reuse torch on the device: the k-th selection on the small threshold sample (topk/kthvalue/sort),
-exact thresholds and unique rows; the atomic kernels need float32 outputs and fall back to torch otherwise.
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tests). The k-th selection on the small
+threshold sample reuses torch on the device (topk/kthvalue/sort); the atomic kernels need float32 outputs
+and fall back to torch otherwise. Exact thresholds and unique rows have no Triton path at all: the
+dispatcher in ``kernels`` sends them to ``kernels.torch_ops`` on every device.
 
 ``AOT_SPECS`` lists every kernel with a concrete signature so :func:`compile_all` can build them for a GPU
 target ahead of time, without a GPU (a kernel that would not compile for H100 fails the test).
@@ -62,10 +63,6 @@ def segmented_sampled_threshold(
     )
 
 
-def exact_threshold(x: Tensor, density: float) -> Tensor:
-    return torch_ops.exact_threshold(x, density)
-
-
 def sparse_gather(
     x: Tensor, threshold: Tensor, capacity: int, offsets: Tensor | None = None
 ) -> SparseMessage:
@@ -78,10 +75,6 @@ def scatter_add_decode(out: Tensor, indices: Tensor, values: Tensor, scale: floa
     if out.dim() != 1 or not triton_scatter.atomic_ok(out):
         return torch_ops.scatter_add_decode(out, indices, values, scale)
     return triton_scatter.scatter_add_decode(out, indices, values, scale)
-
-
-def unique_rows(token_ids: Tensor) -> Tensor:
-    return torch_ops.unique_rows(token_ids)
 
 
 def gather_rows(matrix: Tensor, rows: Tensor) -> Tensor:

@@ -2,12 +2,19 @@
 
 Why strict: a typo in a recipe (`train.lrr`) silently ignored costs a day of GPU time. Every unknown key is an
 error naming the file, line and the nearest valid key; every value is type-checked when loaded.
+
+Renamed keys still load: the flat exchange keys of before the options moved under their method
+(`exchange.delay`, now `exchange.sbc.delay`: compression.config.RENAMED_KEYS), in a recipe or an override,
+each with one warning line saying where and what to rename. Checkpoints hold such config.yml files; in an
+exchange section that uses them, options the method does not read are ignored as they were then (with a
+warning), where the new layout rejects them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import types
@@ -18,11 +25,13 @@ from typing import Any
 
 import yaml
 
-from compression.config import ExchangeConfig
+from compression.config import RENAMED_KEYS, ExchangeConfig
 from nmt.data.config import DataConfig
 from nmt.decoding.config import DecodeConfig
 from nmt.models.config import PRESETS, ModelConfig
 from nmt.training.config import TrainConfig, ValidConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -264,21 +273,86 @@ def _apply_preset(tree: dict[str, Any], origins: _Origins) -> None:
         model.setdefault(key, value)
 
 
+# ------------------------------------------------------------------------------------------ renamed keys
+
+
+def _warn_renamed(where: str, old: str, new: str) -> None:
+    logger.warning("%s%s is now %s; rename it", where, old, new)
+
+
+def _rename_override_path(keys: list[str], text: str, warn: bool) -> list[str]:
+    """`exchange.delay=3` -> the path of `exchange.sbc.delay` (one warning line); other paths as they are."""
+    if len(keys) != 2 or keys[0] != "exchange" or keys[1] not in RENAMED_KEYS:
+        return keys
+    new = ["exchange", *RENAMED_KEYS[keys[1]].split(".")]
+    if warn:
+        _warn_renamed(f"override {text}: ", ".".join(keys), ".".join(new))
+    return new
+
+
+def _rename_old_keys(tree: dict[str, Any], origins: _Origins, warn: bool) -> bool:
+    """Move the old flat keys of `tree`'s exchange section to their method's section, in place, each with one
+    warning line; the line numbers follow them. True when the recipe (not an override) used one."""
+    section = tree.get("exchange")
+    if not isinstance(section, dict):
+        return False
+    in_recipe = False
+    for old_name, new_name in RENAMED_KEYS.items():
+        group, name = new_name.split(".")
+        if old_name not in section or not isinstance(section.setdefault(group, {}), dict):
+            continue  # a non-mapping `exchange.<method>:` is reported when the section is built
+        old, new = f"exchange.{old_name}", f"exchange.{new_name}"
+        where = origins.where(old)
+        if name in section[group]:
+            raise ConfigError(f"{where}{old} and {new} are both set; keep {new} ({old} is its old name)")
+        section[group][name] = section.pop(old_name)
+        if old in origins.lines:
+            origins.lines[new] = origins.lines[old]
+        in_recipe = in_recipe or origins.override_of(old) is None  # not from `exchange={delay: 3}`
+        if warn:
+            _warn_renamed(where, old, new)
+    return in_recipe
+
+
+def _ignore_options_not_read(config: Config, origins: _Origins, warn: bool) -> None:
+    """An old-layout exchange section (a checkpoint's config.yml) may set options its method never read: they
+    were ignored then, so they are ignored now (back to their default, one warning line each)."""
+    exchange = config.exchange
+    for key in exchange.options_not_read():
+        if warn:
+            logger.warning(
+                "%s%s is ignored: exchange.method %r does not read it (tolerated beside the old flat keys, "
+                "an error with the new ones): remove it",
+                origins.where(key),
+                key,
+                exchange.method,
+            )
+        exchange.reset(key)
+
+
 def config_from_dict(
     tree: dict[str, Any],
     source: str = "",
     lines: dict[str, int] | None = None,
     overrides: dict[str, str] | None = None,
+    *,
+    old_exchange_keys: bool = False,
+    warn_old_keys: bool = True,
 ) -> Config:
     """Build and validate a Config from a nested dict (what YAML gives).
 
     `source`, `lines` (dotted key -> line) and `overrides` (dotted key -> override text) only shape the
     error messages: each names the override or the file:line that set the offending value.
+    Old flat exchange keys are moved to their new place with a warning (none when `warn_old_keys` is false);
+    `old_exchange_keys` says the caller already moved some from the recipe (see `load_config`).
     """
     origins = _Origins(source, dict(lines or {}), dict(overrides or {}))
     tree = _deep_copy(tree)
     _apply_preset(tree, origins)
+    old_exchange_keys = _rename_old_keys(tree, origins, warn_old_keys) or old_exchange_keys
     config = _build(Config, tree, "", origins)
+    if old_exchange_keys:
+        _ignore_options_not_read(config, origins, warn_old_keys)
     try:
         config.validate()
     except ValueError as err:
@@ -295,11 +369,14 @@ def _deep_copy(tree: Any) -> Any:
     return tree
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, *, warn_old_keys: bool = True
+) -> Config:
     """Load a recipe and apply `key.path=value` overrides (later ones win).
 
     Errors name where the bad value came from: `recipe.yml:12: ...` for the file, `override K=V: ...` for
-    an override.
+    an override. Old flat exchange keys load with one warning line each; `warn_old_keys=False` for a file the
+    program wrote (a checkpoint's config.yml: nothing there for the user to rename).
     """
     tree: dict[str, Any] = {}
     lines: dict[str, int] = {}
@@ -307,15 +384,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         source = str(path)
         tree, lines = _read_yaml(Path(path))
+    # Renamed before the overrides apply, so that an override of the new key replaces the recipe's old one.
+    old_exchange_keys = _rename_old_keys(tree, _Origins(source, lines), warn_old_keys)
     by_key: dict[str, str] = {}
     for text in overrides or []:
         keys, value = parse_override(text)
+        keys = _rename_override_path(keys, text, warn_old_keys)
         _set_path(tree, keys, value)
         dotted = ".".join(keys)
         for known in [k for k in by_key if k == dotted or k.startswith(dotted + ".")]:
             del by_key[known]  # a later override of the same key (or its section) replaces the earlier one
         by_key[dotted] = text
-    return config_from_dict(tree, source, lines, by_key)
+    return config_from_dict(
+        tree, source, lines, by_key, old_exchange_keys=old_exchange_keys, warn_old_keys=warn_old_keys
+    )
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

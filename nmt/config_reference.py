@@ -172,7 +172,7 @@ def registry_choices() -> dict[str, tuple[Any, ...]]:
     return {
         "model.preset": tuple(MODEL_PRESETS),
         "exchange.method": tuple(sorted({*available_methods(), *ASYNC_METHODS})),
-        "exchange.preset": tuple(SBC_PRESETS),
+        "exchange.sbc.preset": tuple(SBC_PRESETS),
     }
 
 
@@ -298,7 +298,8 @@ def _sbc_presets() -> list[str]:
 
     lines = [
         "",
-        "`exchange.preset` (sbc) replaces `exchange.delay` and `exchange.density` with one of the paper's:",
+        "`exchange.sbc.preset` replaces `exchange.sbc.delay` and `exchange.sbc.density` with one of the "
+        "paper's:",
         "",
         "| Preset | Sets |",
         "| --- | --- |",

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_corpus import tiny_config_dict, write_reverse_corpus  # noqa: E402
+from tiny_corpus import tiny_config_dict, write_reverse_corpus
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""`nmt-eval --hyp FILE --ref FILE`: corpus BLEU and chrF with sacreBLEU signatures."""
+"""`nmt-eval --hyp FILE --ref FILE [--tgt-lang zh]`: corpus BLEU and chrF with sacreBLEU signatures."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nmt-eval", description="Score detokenized translations.")
     parser.add_argument("--hyp", required=True, help="hypotheses, one per line")
     parser.add_argument("--ref", required=True, help="references, one per line")
+    parser.add_argument(
+        "--tgt-lang",
+        default="",
+        help="target language code (as data.tgt_lang): zh, ja and ko get sacreBLEU's tokenizer for that "
+        "language, anything else 13a (the default)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -27,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    scores = score_corpus(hyps, refs)
+    try:
+        scores = score_corpus(hyps, refs, tgt_lang=args.tgt_lang)
+    except RuntimeError as err:  # the language's tokenizer needs a package that is not installed
+        print(f"nmt-eval: error: --tgt-lang: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(scores.__dict__))
     else:

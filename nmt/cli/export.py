@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
         default="float32",
         help="weight type (default: float32, the exact weights; int8 files are ~3.5x smaller)",
     )
+    ct2.add_argument(
+        "--exact-scores",
+        action="store_true",
+        help="keep the model's exact output distribution: score_batch then gives nmt-score's log-probs "
+        "(within 1e-5), but decoding may emit pad or bos, which the default export blocks (output bias)",
+    )
     ct2.add_argument("--force", action="store_true", help="replace an earlier export in OUT")
     return parser
 
@@ -53,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         what = "not a directory" if os.path.exists(args.model) else "no such directory"
         fail(parser, f"--model {args.model}: {what}; point it at a model or step-* checkpoint directory")
     try:
-        out = export_ctranslate2(args.model, args.out, args.quantization, force=args.force)
+        out = export_ctranslate2(
+            args.model,
+            args.out,
+            args.quantization,
+            force=args.force,
+            block_never_generated=not args.exact_scores,
+        )
     except (ValueError, OSError) as error:  # ExportError, CheckpointError, VocabError: one line already
         fail(parser, str(error))
     print(f"nmt-export: wrote {out} ({args.quantization}); see {out}/README.txt", file=sys.stderr)

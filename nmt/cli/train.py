@@ -23,6 +23,7 @@ import torch
 from nmt.cli.common import OneLineParser
 from nmt.config import Config, ConfigError, config_to_dict, dump_config, load_config
 from nmt.data.corpus import CorpusError, check_parallel_files
+from nmt.evaluation import bleu_metric
 from nmt.training.checkpoint import (
     CheckpointError,
     ModelDirLock,
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config and not args.overrides:
         return _fail("no configuration: pass --config FILE (see recipes/) and/or key.path=value overrides")
     try:
-        config = load_config(args.config, args.overrides)
+        # Renamed keys are reported once: by the launcher (or the single process), or by rank 0 (torchrun).
+        config = load_config(
+            args.config, args.overrides, warn_old_keys=not local_worker and worker_info_from_env().rank == 0
+        )
     except ConfigError as err:
         return _fail(str(err))
     if args.dump_config:
@@ -180,6 +184,11 @@ def _launch_problem(config: Config) -> str:
             check_parallel_files(files.src, files.tgt, key)
     except CorpusError as err:
         return str(err)
+    if config.valid.translate or config.valid.test_at_end:
+        try:
+            bleu_metric(data.tgt_lang)  # fails now, not at the first validation, if its tokenizer is missing
+        except RuntimeError as err:
+            return f"data.tgt_lang: {err}"
     for key, value in (
         ("data.vocab.model", data.vocab.model),
         ("data.vocab.tgt_model", data.vocab.tgt_model),
@@ -260,7 +269,7 @@ def _check_same_model(config: Config, ckpt: Path) -> None:
     ignored (the saved vocabulary is used) while the new value is written into config.yml.
     """
     try:
-        saved = config_to_dict(load_config(ckpt / "config.yml"))
+        saved = config_to_dict(load_config(ckpt / "config.yml", warn_old_keys=False))  # written by us
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / 'config.yml'}: cannot be read to resume ({err})") from None
     wanted = config_to_dict(config)

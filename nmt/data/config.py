@@ -30,14 +30,17 @@ class DataConfig:
     train: ParallelFiles = field(default_factory=ParallelFiles)
     valid: ParallelFiles = field(default_factory=ParallelFiles)
     test: ParallelFiles = field(default_factory=ParallelFiles)
-    src_lang: str = "src"  # source language code: a label kept in the config, not read by the code
-    tgt_lang: str = "tgt"  # target language code: a label kept in the config, not read by the code
+    src_lang: str = "src"  # source language code (e.g. en): a label for the reader of the config
+    # target language code (e.g. de, zh): BLEU uses sacreBLEU's tokenizer for it (zh; ja and ko need
+    # sacrebleu[ja] / sacrebleu[ko] installed); any other code gets 13a
+    tgt_lang: str = "tgt"
     vocab: VocabConfig = field(default_factory=VocabConfig)
     max_len: int = 128  # subword tokens, either side; longer training pairs are skipped
     batch_tokens: int = 4096  # per batch per worker: max(src, tgt) padded length x sentences
     buffer_sentences: int = 200_000  # streamed chunk: batches are bucketed and shuffled inside it
     shuffle: bool = True  # shuffle pairs and batch order inside each chunk (seeded); false keeps corpus order
-    valid_max_sentences: int = 0  # 0 = all
+    # deprecated, use valid.max_sentences: only 0 is accepted, so that configs saved with it still load
+    valid_max_sentences: int = 0
 
     def validate(self) -> None:
         if self.max_len < 2:
@@ -59,9 +62,10 @@ class DataConfig:
             )
         if self.vocab.train_sentences < 1:
             raise ValueError(f"data.vocab.train_sentences must be >= 1, got {self.vocab.train_sentences}")
-        if self.valid_max_sentences < 0:
+        if self.valid_max_sentences != 0:
             raise ValueError(
-                f"data.valid_max_sentences must be >= 0 (0 = all), got {self.valid_max_sentences}"
+                f"data.valid_max_sentences is no longer read (got {self.valid_max_sentences}): set "
+                f"valid.max_sentences instead and remove data.valid_max_sentences"
             )
         if self.vocab.tgt_model and self.vocab.tgt_model == self.vocab.model:
             raise ValueError(

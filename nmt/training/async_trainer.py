@@ -20,7 +20,7 @@ on other backends the server posts one receive per worker and polls them.
 
 Loop of worker w:  wait for the reply to its last push (apply it: theta_w += D, or theta_w = theta) ->
     gradient of its own batches -> clip -> SAMomentum -> push.
-Loop of the server: take the next push (arrival order, or round-robin with `exchange.dgs_deterministic`) ->
+Loop of the server: take the next push (arrival order, or round-robin with `exchange.dgs.deterministic`) ->
     apply it (one server update = one step of `train.max_steps`) -> log / validate / checkpoint when due ->
     reply to that worker with its sparsified model difference.
 Validation runs on the server alone (workers block meanwhile: keep it shorter than
@@ -63,7 +63,6 @@ from nmt.data.batching import TrainBatches, batches_for_loss
 from nmt.data.corpus import CorpusError, read_lines
 from nmt.data.vocab import load_or_train_vocabs
 from nmt.decoding.translator import Translator
-from nmt.evaluation import score_corpus
 from nmt.models.build import build_model, count_parameters
 from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.checkpoint import CheckpointWriter, find_resume_dir, load_training_state
@@ -79,7 +78,13 @@ from nmt.training.flat import FlatModel, flatten_model
 from nmt.training.init_from import apply_init_from, copy_init_vocabulary, load_init_weights
 from nmt.training.metrics import TRAIN_LOG, Limits, MetricsLog, Progress, TrainLog, append_to_train_log
 from nmt.training.precision import PrecisionChoice, PrecisionError, resolve_precision
-from nmt.training.trainer import agree_on_precision, inverse_sqrt, record_test_scores, select_device
+from nmt.training.trainer import (
+    agree_on_precision,
+    inverse_sqrt,
+    record_test_scores,
+    score_translations,
+    select_device,
+)
 
 HEADER_WORDS = 8
 TAG_HEADER, TAG_PAYLOAD = 1, 2
@@ -414,9 +419,12 @@ class ServerLoop:
         self.link = common.link
         self.workers = info.world_size - 1
         ex, train = config.exchange, config.train
-        self.mode = ex.dgs_mode
+        self.mode = ex.dgs.mode
         self.server = ParameterServer(
-            common.flat.params, self.workers, ex.max_staleness, sparse_pull=self.mode == "dual"
+            common.flat.params,
+            self.workers,
+            ex.dgs.staleness_bound(self.workers),
+            sparse_pull=self.mode == "dual",
         )
         self.selector = _selector(config, 0)
         self.schedule = (
@@ -450,7 +458,7 @@ class ServerLoop:
             self.run_state.wall_s,
             log=self.common.train_log,
         )
-        mode = f"{self.mode}{', deterministic' if self.config.exchange.dgs_deterministic else ''}"
+        mode = f"{self.mode}{', deterministic' if self.config.exchange.dgs.deterministic else ''}"
         progress.write(
             f"nmt-train: {count_parameters(self.common.model):,} parameters, {self.workers} worker(s) + "
             f"parameter server (asynchronous), device {self.common.device}, exchange dgs ({mode})"
@@ -464,6 +472,13 @@ class ServerLoop:
         progress.write(f"nmt-train: {self.common.precision.message}")
         if self.common.precision.warning:
             progress.write(f"nmt-train: warning: {self.common.precision.warning}")
+        dgs = self.config.exchange.dgs
+        if self.mode == "dual" and 0 < dgs.max_staleness < self.workers:
+            progress.write(
+                f"nmt-train: warning: exchange.dgs.max_staleness is {dgs.max_staleness} with {self.workers} "
+                f"workers, each pulling about every {self.workers} server updates: most pulls will be dense "
+                f"refreshes; raise it or set 0 (auto: {dgs.staleness_bound(self.workers)})"
+            )
         start = time.perf_counter() - self.run_state.wall_s
         interval = _Interval()
         for worker in self.owed:  # resumed: answer the push the checkpoint was taken after
@@ -521,7 +536,7 @@ class ServerLoop:
 
     # -- messages --------------------------------------------------------------------------------------------
     def receive(self) -> Push:
-        if self.config.exchange.dgs_deterministic:
+        if self.config.exchange.dgs.deterministic:
             return self.receive_from(self.next_worker)
         waiting = set(self.owed) | {p.worker for p in self.incoming}
         sources = [w + 1 for w in range(self.workers) if w not in waiting]
@@ -574,7 +589,7 @@ class ServerLoop:
 
     def reply(self, worker: int, interval: _Interval) -> None:
         ex = self.config.exchange
-        density = ex.dgs_pull_density or warmup_density(ex.drop_ratio, ex.warmup_steps, self.server.step)
+        density = ex.dgs.pull_density or warmup_density(ex.drop_ratio, ex.warmup_steps, self.server.step)
         update = self.server.pull(worker, self.selector if self.mode == "dual" else None, density)
         try:
             self.link.send(worker + 1, CODES[update.kind], [update.count, self.server.step], update.pack())
@@ -640,7 +655,7 @@ class ServerLoop:
             )
         if meta.get("dgs_mode") != self.mode:
             raise ConfigError(
-                f"{ckpt}: written with exchange.dgs_mode={meta.get('dgs_mode')}, this run has "
+                f"{ckpt}: written with exchange.dgs.mode={meta.get('dgs_mode')}, this run has "
                 f"{self.mode}; resume with the same mode or start a new model_dir"
             )
         self.common.model.load_state_dict(weights["model"])
@@ -722,23 +737,19 @@ class ServerLoop:
                 "bytes_down": state.bytes_down,
             }
             score = -loss
+            scores = None
             if valid.translate:
-                scores = score_corpus(self._translate(src), refs)
-                row.update(
-                    bleu=scores.bleu,
-                    chrf=scores.chrf,
-                    bleu_signature=scores.bleu_signature,
-                    chrf_signature=scores.chrf_signature,
-                )
+                scores = score_translations(self.config, self._translate(src), refs)
+                row.update(scores.row())
                 score = scores.bleu
         row["valid_s"] = round(time.perf_counter() - started, 3)
-        improved = score > state.best_bleu
+        improved = state.best_step == 0 or score > state.best_bleu  # the first is the best (see Trainer)
         if improved:
             state.best_bleu, state.best_step, state.bad_validations = score, self.server.step, 0
         else:
             state.bad_validations += 1
         self.metrics.write(row)
-        text = f" BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f}" if "bleu" in row else ""
+        text = f" {scores.summary()}" if scores is not None else ""
         progress.write(
             f"[valid] step {self.server.step}: loss {loss:.3f}{text}{' (best)' if improved else ''}"
         )
@@ -759,7 +770,7 @@ class ServerLoop:
         src, refs = read_lines(data.test.src), read_lines(data.test.tgt)
         with _all_cores(self.config.train.threads):  # the workers have finished
             hyps = self._translate(src, for_test=True)
-        record_test_scores(model_dir, self.metrics, progress, step, hyps, refs)
+        record_test_scores(self.config, self.metrics, progress, step, hyps, refs)
 
 
 @contextmanager
@@ -965,7 +976,7 @@ class WorkerLoop:
             grad.mul_(train.clip_norm / (norm + 1e-6))
         if train.weight_decay:
             grad.add_(flat.params, alpha=train.weight_decay)
-        if ex.dgs_mode == "dense":
+        if ex.dgs.mode == "dense":
             update = self.samomentum.push(grad, None)
         else:
             density = warmup_density(ex.drop_ratio, ex.warmup_steps, self.server_step)

@@ -74,12 +74,6 @@ def _atomic_symlink(target: str, link: Path) -> None:
     os.replace(tmp, link)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def remove_checkpoint_leftovers(model_dir: Path) -> list[Path]:
     """Remove the temporary `.step-N.tmp` directories (and `.last.tmp`-style links) of killed runs."""
     removed = []
@@ -333,7 +327,7 @@ def load_inference_bundle(path: str | Path) -> InferenceBundle:
     ckpt = resolve_checkpoint(path)
     todo = "use another checkpoint (a step-* directory) or train again"
     try:
-        config = load_config(ckpt / "config.yml")
+        config = load_config(ckpt / "config.yml", warn_old_keys=False)  # written by us: nothing to rename
     except ConfigError as err:
         raise CheckpointError(f"{ckpt}: checkpoint config is not valid: {err}") from None
     weights = _weights(ckpt / MODEL_FILE, todo)

@@ -103,7 +103,8 @@ class TrainConfig:
 class ValidConfig:
     every: int = 1000  # steps; 0 = only at the end
     every_train_s: float = 0.0  # also validate each time this many seconds of training time have passed
-    # bleu | chrf; only checked: BLEU and chrF are both always computed when `translate` is on
+    # scores of the valid and test rows: bleu (required: the best checkpoint and early stopping go by BLEU),
+    # and chrf if listed
     metrics: list[str] = field(default_factory=lambda: ["bleu", "chrf"])
     max_sentences: int = 0  # 0 = the whole dev set
     beam_size: int = 0  # 0 = decode.beam_size
@@ -117,6 +118,11 @@ class ValidConfig:
         unknown = [m for m in self.metrics if m not in ("bleu", "chrf")]
         if unknown:
             raise ValueError(f"valid.metrics: unknown metric {unknown[0]!r} (available: bleu, chrf)")
+        if "bleu" not in self.metrics:
+            raise ValueError(
+                f"valid.metrics must list bleu (the best checkpoint and early stopping go by BLEU), "
+                f"got {self.metrics}"
+            )
         if self.every_train_s < 0:
             raise ValueError(f"valid.every_train_s must be >= 0 (0 = off), got {self.every_train_s}")
         if self.early_stopping < 0:

@@ -43,11 +43,3 @@ def flatten_model(model: nn.Module, kinds: dict[str, str]) -> FlatModel:
         layout.append(ParamSpan(name=name, offset=offset, shape=tuple(param.shape), kind=kind))  # type: ignore[arg-type]
         offset += n
     return FlatModel(params=flat_params, grads=flat_grads, layout=layout, named=named)
-
-
-def check_grad_views(flat: FlatModel) -> None:
-    """Fail loudly if something replaced a `.grad` view (e.g. zero_grad(set_to_none=True))."""
-    for (name, param), span in zip(flat.named, flat.layout):
-        grad = param.grad
-        if grad is None or grad.data_ptr() != flat.grads[span.offset :].data_ptr():
-            raise RuntimeError(f"gradient of {name} is no longer a view of the flat gradient buffer")

@@ -63,7 +63,7 @@ def apply_init_from(config: Config) -> Path | None:
     if ckpt is None:
         return None
     try:
-        saved = load_config(ckpt / "config.yml")
+        saved = load_config(ckpt / "config.yml", warn_old_keys=False)  # written by us: nothing to rename
     except ConfigError as err:
         raise CheckpointError(f"train.init_from: {ckpt / 'config.yml'} is not valid ({err})") from None
     old, new = asdict(saved.model), asdict(config.model)

@@ -6,6 +6,7 @@ The update step (`Trainer.train_step`) reads top to bottom:
     exchange.reduce(flat_grad)                             the ONE place where ranks exchange gradients
     clip -> optimizer.step -> scheduler.step
     exchange.after_step(flat_params)                       parameter averaging, delayed synchronisation
+    exchange.on_optimizer_step(optimizer)                  e.g. SBC's momentum masking
     ema.update
 """
 
@@ -29,7 +30,7 @@ from nmt.data.batching import Batch, TrainBatches, batches_for_loss
 from nmt.data.corpus import read_lines
 from nmt.data.vocab import load_or_train_vocabs
 from nmt.decoding.translator import Translator
-from nmt.evaluation import score_corpus
+from nmt.evaluation import Scores, score_corpus
 from nmt.models.build import build_model, count_parameters
 from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.checkpoint import (
@@ -331,7 +332,7 @@ class Trainer:
             started = time.perf_counter()
             stats = stats.merge(self.exchange.after_step(self.flat.params, self.context()))
             exchange_s += time.perf_counter() - started
-            self._mask_sent_momentum(stats)
+            self._exchange_on_optimizer()
             if self.ema is not None:
                 self.ema.lerp_(self.flat.params, 1.0 - self.config.train.ema_decay)
         flat_grad.zero_()
@@ -381,11 +382,10 @@ class Trainer:
                     f"{self._last_checkpoint_name()})"
                 )
 
-    def _mask_sent_momentum(self, stats: ExchangeStats) -> None:
-        """Momentum masking (SBC): the exchange knows what it just sent, the trainer owns the optimizer."""
-        mask = getattr(self.exchange, "mask_momentum", None)
-        if mask is not None and stats.extra.get("sbc_round"):
-            mask(self.optimizer, [p for _, p in self.flat.named], self.flat.layout)
+    def _exchange_on_optimizer(self) -> None:
+        """The exchange knows what it just did (SBC: what it sent, for momentum masking); the trainer owns the
+        optimizer. Called after after_step and after synchronize_params."""
+        self.exchange.on_optimizer_step(self.optimizer, [p for _, p in self.flat.named], self.flat.layout)
 
     def _update_scaler(self, found_inf: bool) -> None:
         # GradScaler.update needs per-optimizer inf records; we unscaled by hand, so set the scale directly.
@@ -637,7 +637,7 @@ class Trainer:
         of the smoothed copies is the smoothing of the averaged trajectory.
         """
         stats = self.exchange.synchronize_params(self.flat.params, self.context())
-        self._mask_sent_momentum(stats)
+        self._exchange_on_optimizer()
         if self.ema is not None and self.info.world_size > 1:
             identical, check = replicas_identical(self.ema, self.context())
             stats = stats.merge(check)
@@ -665,30 +665,26 @@ class Trainer:
                 "bytes_sent": self.state.bytes_sent,
             }
             score = -loss
+            scores = None
             if valid.translate:
                 src, refs = self._dev_lines()
-                hyps = self.translate_sharded(src)
-                scores = score_corpus(hyps, refs)
-                row.update(
-                    bleu=scores.bleu,
-                    chrf=scores.chrf,
-                    bleu_signature=scores.bleu_signature,
-                    chrf_signature=scores.chrf_signature,
-                )
+                scores = score_translations(self.config, self.translate_sharded(src), refs)
+                row.update(scores.row())
                 score = scores.bleu
         row["valid_s"] = round(time.perf_counter() - started, 3)
         self.state.last_valid_train_s = self.state.train_s
-        improved = score > self.state.best_bleu
+        # The first validation is the best so far whatever its score: without translation the score is -loss,
+        # which the initial best_bleu (-1) would otherwise hide until the loss fell below 1.
+        improved = self.state.best_step == 0 or score > self.state.best_bleu
         if improved:
             self.state.best_bleu, self.state.best_step, self.state.bad_validations = score, self.state.step, 0
         else:
             self.state.bad_validations += 1
         self.metrics.write(row)
-        if "bleu" in row:
+        if scores is not None:
             progress.write(
-                f"[valid] step {self.state.step}: loss {loss:.3f} "
-                f"BLEU {row['bleu']:.2f} chrF {row['chrf']:.2f}"
-                f"{' (best)' if improved else ''}  {row['bleu_signature']}"
+                f"[valid] step {self.state.step}: loss {loss:.3f} {scores.summary()}"
+                f"{' (best)' if improved else ''}  {scores.bleu_signature}"
             )
         else:
             progress.write(f"[valid] step {self.state.step}: loss {loss:.3f}")
@@ -712,7 +708,7 @@ class Trainer:
         refs = read_lines(data.test.tgt)
         hyps = self.translate_sharded(src, for_test=True)
         if self.info.is_main:
-            record_test_scores(self.model_dir, self.metrics, progress, step, hyps, refs)
+            record_test_scores(self.config, self.metrics, progress, step, hyps, refs)
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -786,23 +782,16 @@ class Trainer:
         return meta
 
 
+def score_translations(config: Config, hyps: list[str], refs: list[str]) -> Scores:
+    """BLEU with data.tgt_lang's sacreBLEU tokenizer, and chrF when valid.metrics lists it."""
+    return score_corpus(hyps, refs, tgt_lang=config.data.tgt_lang, chrf="chrf" in config.valid.metrics)
+
+
 def record_test_scores(
-    model_dir: Path, metrics: MetricsLog, progress: Progress, step: int, hyps: list[str], refs: list[str]
+    config: Config, metrics: MetricsLog, progress: Progress, step: int, hyps: list[str], refs: list[str]
 ) -> None:
     """Score the test translations of the best checkpoint: test.hyp, a `test` metrics row, a message."""
-    scores = score_corpus(hyps, refs)
-    (model_dir / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    metrics.write(
-        {
-            "step": step,
-            "kind": "test",
-            "bleu": scores.bleu,
-            "chrf": scores.chrf,
-            "bleu_signature": scores.bleu_signature,
-            "sentences": len(hyps),
-        }
-    )
-    progress.write(
-        f"[test] best checkpoint (step {step}): BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
-        f"  {scores.bleu_signature}"
-    )
+    scores = score_translations(config, hyps, refs)
+    (Path(config.model_dir) / "test.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    metrics.write({"step": step, "kind": "test", **scores.row(), "sentences": len(hyps)})
+    progress.write(f"[test] best checkpoint (step {step}): {scores.summary()}  {scores.bleu_signature}")

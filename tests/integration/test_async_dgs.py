@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cli_helpers import ROOT, metrics, run_cli, threads_left_after_run
 
 SGD = {"optimizer": "sgd", "lr": 0.3, "momentum": 0.9, "warmup_steps": 20}
@@ -19,7 +20,8 @@ NO_EVAL = {"every": 0, "test_at_end": False, "translate": False}
 
 
 def _dgs(**options: object) -> dict:
-    return {"method": "dgs", "drop_ratio": 0.9, "max_staleness": 30, **options}
+    """An exchange section for dgs; `options` go to exchange.dgs."""
+    return {"method": "dgs", "drop_ratio": 0.9, "dgs": {"max_staleness": 30, **options}}
 
 
 def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
@@ -63,7 +65,7 @@ def test_async_workers_train_log_bytes_and_checkpoint(write_config, tmp_path):
 
 
 def test_resumed_server_continues_the_same_trajectory(write_config, tmp_path):
-    extra = {"exchange": _dgs(dgs_deterministic=True), "valid": NO_EVAL}
+    extra = {"exchange": _dgs(deterministic=True), "valid": NO_EVAL}
     config = write_config(_extra=extra, max_steps=30, log_every=5, save_every=0, **SGD)
     full = run_cli(
         "nmt.cli.train", "--config", str(config), "--workers", "2", f"model_dir={tmp_path / 'full'}"

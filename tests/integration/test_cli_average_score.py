@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_helpers import metrics, run_cli
-from tiny_corpus import tiny_config_dict
 
 from nmt.cli.average import main as average_main
 from nmt.cli.score import main as score_main
+
+from cli_helpers import metrics, run_cli
+from tiny_corpus import tiny_config_dict
 
 STEPS = [20, 40, 60, 80]  # save_every 20; validation (with BLEU) at 40 and 80
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from cli_helpers import ROOT, metrics, run_cli, threads_left_after_run, train_losses
 
 

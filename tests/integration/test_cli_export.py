@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from cli_helpers import ROOT, run_cli
 from tiny_corpus import tiny_config_dict
 
@@ -72,6 +73,31 @@ def test_int8_export_and_bleu(trained, tmp_path, reverse_corpus):
     hypotheses = translate_with_ctranslate2(out, sources, beam_size=5, intra_threads=1)
     assert len(hypotheses) == len(sources) and all(h.strip() for h in hypotheses)
     assert score_corpus(hypotheses, references).bleu > 0
+
+
+def test_exact_scores_export_scores_as_nmt_score(trained, tmp_path, reverse_corpus):
+    """With --exact-scores, CTranslate2's score_batch is nmt-score's log-prob (pad/bos not blocked)."""
+    import sentencepiece as spm
+
+    out = tmp_path / "exact"
+    assert export("--model", str(trained), "--out", str(out), "--exact-scores").returncode == 0
+    sources = (reverse_corpus / "test.src").read_text().splitlines()[:10]
+    targets = (reverse_corpus / "test.tgt").read_text().splitlines()[:10]
+    (tmp_path / "src").write_text("\n".join(sources) + "\n")
+    (tmp_path / "tgt").write_text("\n".join(targets) + "\n")
+    scored = run_cli(
+        "nmt.cli.score", "--model", str(trained), "--src", str(tmp_path / "src"), "--tgt",
+        str(tmp_path / "tgt"), "--no-normalize", "--device", "cpu",
+    )  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    ours = [float(line) for line in scored.stdout.split()]
+    sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    results = translator.score_batch(
+        sp.encode(sources, out_type=str), sp.encode(targets, out_type=str), max_input_length=0
+    )
+    theirs = [sum(r.log_probs) for r in results]  # per token, eos included
+    assert theirs == pytest.approx(ours, abs=1e-4)
 
 
 def test_existing_output_needs_force(trained, tmp_path):

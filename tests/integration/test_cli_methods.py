@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+
 from cli_helpers import metrics, run_cli
 from tiny_corpus import tiny_config_dict
 
@@ -16,12 +17,16 @@ METHODS = {
     ],
     "local_mix-replace": [
         "exchange.method=local_mix",
-        "exchange.local_mode=replace",
-        "exchange.average_every=7",
+        "exchange.local_mix.local_mode=replace",
+        "exchange.local_mix.average_every=7",
     ],
-    "local_mix-sum": ["exchange.method=local_mix", "exchange.local_mode=sum", "exchange.average_every=7"],
+    "local_mix-sum": [
+        "exchange.method=local_mix",
+        "exchange.local_mix.local_mode=sum",
+        "exchange.local_mix.average_every=7",
+    ],
     "dgc": ["exchange.method=dgc", "train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0"],
-    "sbc": ["exchange.method=sbc", "exchange.delay=3", "exchange.density=0.01"],
+    "sbc": ["exchange.method=sbc", "exchange.sbc.delay=3", "exchange.sbc.density=0.01"],
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+
 from cli_helpers import metrics, run_cli, train_losses
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import yaml
+
 from cli_helpers import ROOT, metrics, run_cli
 
 
@@ -84,10 +85,10 @@ def test_init_from_mismatch_is_one_line(write_config, trained, override, expecte
 
 
 def test_init_from_with_another_vocabulary_is_one_line(write_config, trained, tmp_path, reverse_corpus):
-    from tiny_corpus import tiny_config_dict
-
     from nmt.config import config_from_dict
     from nmt.data.vocab import train_sentencepiece
+
+    from tiny_corpus import tiny_config_dict
 
     other = tmp_path / "other.model"
     cfg = config_from_dict(tiny_config_dict(reverse_corpus, tmp_path / "x")).data.vocab

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from tiny_corpus import tiny_config_dict
 
 from nmt.config import config_from_dict
 from nmt.data.batching import Batch
 from nmt.training.distributed import WorkerInfo, free_port, init_process_group
 from nmt.training.trainer import Trainer
+
+from tiny_corpus import tiny_config_dict
 
 
 def _batches(trainer: Trainer, n: int) -> list[Batch]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import ROOT, run_cli, train_losses
 
 

@@ -14,19 +14,24 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tiny_corpus import tiny_config_dict
 
 from nmt.config import config_from_dict
 from nmt.training.checkpoint import step_dir_name
 from nmt.training.distributed import WorkerInfo, destroy_process_group, free_port, init_process_group
 from nmt.training.trainer import Trainer
 
+from tiny_corpus import tiny_config_dict
+
 PERIOD = 5  # local_mix: average_every; sbc: delay; and valid.every
+EXCHANGE = {  # each method's own options; an option of another method would be an error
+    "local_mix": {"drop_ratio": 0.9, "local_mix": {"average_every": PERIOD}},
+    "sbc": {"sbc": {"delay": PERIOD}},
+}
 
 
 def _config(corpus: Path, model_dir: Path, method: str):
     tree = tiny_config_dict(corpus, model_dir, max_steps=2 * PERIOD, ema_decay=0.8, log_every=PERIOD)
-    tree["exchange"] = {"method": method, "average_every": PERIOD, "delay": PERIOD, "drop_ratio": 0.9}
+    tree["exchange"] = {"method": method, **EXCHANGE[method]}
     tree["valid"] = {"every": PERIOD, "beam_size": 1, "max_sentences": 4, "test_at_end": False}
     return config_from_dict(tree)
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from reliability_helpers import Env  # noqa: E402
-from tiny_corpus import tiny_config_dict  # noqa: E402
+from reliability_helpers import Env
+from tiny_corpus import tiny_config_dict
 
 
 @pytest.fixture(autouse=True)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from reliability_helpers import Env, call_cli, line_of, unwritable_dir
 
 import nmt.cli.train as train_cli
 import nmt.cli.translate as translate_cli
+
+from reliability_helpers import Env, call_cli, line_of, unwritable_dir
 
 
 @dataclass
@@ -201,11 +202,16 @@ EXCHANGE = [
         "override exchange.method=foo: exchange.method: unknown method 'foo' (available: ",
     ),
     ("exchange.method=dropin", "did you mean 'dropping'?"),
-    ("exchange.preset=delay-1000", "exchange.preset: unknown SBC preset 'delay-1000'"),
-    ("exchange.sbc_selection=top", "exchange.sbc_selection must be 'per_sign' or 'magnitude'"),
+    ("exchange.sbc.preset=delay-1000", "exchange.sbc.preset: unknown SBC preset 'delay-1000'"),
+    ("exchange.sbc.selection=top", "exchange.sbc.selection must be 'per_sign' or 'magnitude'"),
     ("exchange.drop_ratio=1.5", "exchange.drop_ratio must be in [0, 1)"),
     ("exchange.quantize_bits=3", "exchange.quantize_bits must be 0, 1 or 2"),
-    ("exchange.average_every=0", "exchange.average_every must be >= 1"),
+    ("exchange.local_mix.average_every=0", "exchange.local_mix.average_every must be >= 1"),
+    (
+        "exchange.sbc.delay=5",
+        "override exchange.sbc.delay=5: exchange.sbc.delay is set but exchange.method is 'dense'; it only "
+        "applies to method sbc: remove it or set exchange.method=sbc",
+    ),
 ]
 
 for _override, _text in EXCHANGE:
@@ -287,7 +293,6 @@ SIGNS = [  # every int/float option of train, valid, data, decode where a negati
     "data.max_len=-1",
     "data.batch_tokens=-1",
     "data.buffer_sentences=0",
-    "data.valid_max_sentences=-1",
     "data.vocab.size=-1",
     "data.vocab.train_sentences=0",
     "decode.beam_size=0",

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from reliability_helpers import ROOT, Env, alive, call_cli, children_of, run_module
 
 import nmt.cli.train as train_cli
 from nmt.config import config_from_dict
 from nmt.data.config import VocabConfig
 from nmt.data.vocab import load_or_train_vocabs
 from nmt.training.checkpoint import CheckpointWriter, find_resume_dir, load_inference_bundle
+
+from reliability_helpers import ROOT, Env, alive, call_cli, children_of, run_module
 
 linux_only = pytest.mark.skipif(
     not Path("/proc/self/stat").exists(), reason="reads processes from Linux /proc"

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_helpers import ROOT, Env, call_cli, children_of
 
 import nmt.cli.train as train_cli
 import nmt.training.trainer as trainer_module
 from nmt.training.checkpoint import first_non_finite, restore_best_link, step_dir_name
+
+from reliability_helpers import ROOT, Env, call_cli, children_of
 
 linux_only = pytest.mark.skipif(
     not Path("/proc/self/stat").exists(), reason="reads processes from Linux /proc"

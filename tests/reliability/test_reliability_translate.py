@@ -6,11 +6,12 @@ import random
 import time
 
 import pytest
-from reliability_helpers import Env, call_cli, run_module
 
 import nmt.cli.translate as translate_cli
 from nmt.decoding.config import DecodeConfig
 from nmt.decoding.translator import Translator
+
+from reliability_helpers import Env, call_cli, run_module
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from cli_helpers import metrics, run_cli  # noqa: E402
+from cli_helpers import metrics, run_cli
 
 
 def test_reverse_task_reaches_high_bleu(write_config, tmp_path):

@@ -2,9 +2,9 @@
 
 Why a harness: exchange methods are collective; their tests must run real gloo collectives, not mocks. Each
 call spawns P processes joined through a temporary file store, runs `fn(rank, world_size, *args)` in each,
-and returns the ranks' results (anything torch.save can write) in rank order. Import it from a test with
-`sys.path.insert(0, str(Path(__file__).parent))`. The function must be defined at module level (it is
-pickled by name).
+and returns the ranks' results (anything torch.save can write) in rank order. Tests import it as
+`from gloo_harness import run_ranks` (this directory is on `pythonpath` in setup.cfg, so the ranks find the
+test module too). The function must be defined at module level (it is pickled by name).
 
 Start method: "forkserver" with torch preloaded. A plain spawn re-imports torch in every rank of every call
 (about 5-10 s on a loaded 2-core machine); the fork server imports it once per test session and then forks

@@ -3,9 +3,6 @@ Multi-rank checks run once on 2 real gloo ranks."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,8 +13,7 @@ from compression.dense import DenseAllReduce
 from compression.dense_bf16 import DenseBf16AllReduce
 from compression.registry import build_exchange
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gloo_harness import run_ranks  # noqa: E402
+from gloo_harness import run_ranks
 
 N = 930
 LAYOUT = [ParamSpan("w", 0, (31, 30), "matrix")]

@@ -4,19 +4,16 @@ state round trip; on 2 gloo ranks, momentum 0 reduces to gradient dropping."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from compression import ParamSpan, StepContext
-from compression.config import ExchangeConfig
+from compression.config import DgcOptions, ExchangeConfig
 from compression.dgc import DeepGradientCompression, dgc_density
 from compression.dropping import GradientDropping
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gloo_harness import run_ranks  # noqa: E402
+from gloo_harness import run_ranks
 
 LAYOUT = [
     ParamSpan("emb", 0, (30, 8), "embedding"),
@@ -37,7 +34,9 @@ def gradient(seed: int, rank: int = 0) -> torch.Tensor:
 
 def test_matches_reference_momentum_correction_and_masking() -> None:
     m, density = 0.9, 0.05
-    cfg = ExchangeConfig(method="dgc", drop_ratio=1 - density, momentum=m, threshold_estimator="exact")
+    cfg = ExchangeConfig(
+        method="dgc", drop_ratio=1 - density, threshold_estimator="exact", dgc=DgcOptions(momentum=m)
+    )
     ex = DeepGradientCompression(cfg)
     u, v, u_dense = torch.zeros(640), torch.zeros(640), torch.zeros(20)
     k = math.ceil(density * 640)
@@ -72,7 +71,7 @@ def test_warmup_is_the_papers_exponential_schedule() -> None:
 
 def test_local_clipping_bounds_the_rank_gradient() -> None:
     cfg = ExchangeConfig(
-        method="dgc", drop_ratio=0.0, momentum=0.0, local_clip_norm=1.0, dense_fallback=False
+        method="dgc", drop_ratio=0.0, dense_fallback=False, dgc=DgcOptions(momentum=0.0, local_clip_norm=1.0)
     )
     out = gradient(0) * 100
     DeepGradientCompression(cfg).reduce(out, ctx(0, world=1))
@@ -94,7 +93,7 @@ def test_state_round_trip() -> None:
 
 
 def _momentum_zero_is_dropping(rank: int, world: int) -> dict[str, float]:
-    dgc = DeepGradientCompression(ExchangeConfig(method="dgc", drop_ratio=0.9, momentum=0.0))
+    dgc = DeepGradientCompression(ExchangeConfig(method="dgc", drop_ratio=0.9, dgc=DgcOptions(momentum=0.0)))
     drop = GradientDropping(ExchangeConfig(method="dropping", drop_ratio=0.9, embedding_rows=False))
     worst = 0.0
     for t in range(4):

@@ -74,8 +74,8 @@ def test_truncated_stream_is_an_error() -> None:
         rice_decode(data[: data.numel() // 2], positions.numel(), 3)
 
 
-def test_rice_parameter_matches_algorithms_table() -> None:
-    # algorithms.md 5.3, consistent logarithms: p = 0.1, 0.01, 0.001 -> b* = 3, 6, 9
+def test_rice_parameter_matches_the_worked_values() -> None:
+    # Natural logarithms in both places (docs/sbc.md): p = 0.1, 0.01, 0.001 -> b* = 3, 6, 9
     assert [rice_parameter(p) for p in (0.1, 0.01, 0.001)] == [3, 6, 9]
     assert expected_bits_per_position(0.01) == pytest.approx(8.11, abs=0.005)
     assert expected_bits_per_position(0.01, b=7) == pytest.approx(8.38, abs=0.005)  # the paper's number
@@ -84,7 +84,7 @@ def test_rice_parameter_matches_algorithms_table() -> None:
 
 @pytest.mark.parametrize("p", [0.1, 0.01, 0.001])
 def test_bits_per_position_near_expected(p: float) -> None:
-    """Measured stream bits / position on a Bernoulli(p) mask within 2 % of b̄ (algorithms.md 5.3)."""
+    """Measured stream bits / position on a Bernoulli(p) mask within 2 % of b̄ (Sattler et al. 2018)."""
     n = 4_000_000
     gen = torch.Generator().manual_seed(1234)
     positions = torch.nonzero(torch.rand(n, generator=gen) < p).view(-1)

@@ -3,20 +3,16 @@ periodic parameter averaging and state round trip. Multi-rank checks run once on
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from compression import ParamSpan, StepContext
-from compression.config import ExchangeConfig
+from compression.config import ExchangeConfig, LocalMixOptions
 from compression.dense import DenseAllReduce
 from compression.local_mix import LocalMix
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gloo_harness import run_ranks  # noqa: E402
+from gloo_harness import run_ranks
 
 LAYOUT = [
     ParamSpan("w1", 0, (20, 30), "matrix"),
@@ -40,7 +36,11 @@ def _identity(rank: int, world: int, mode: str, bits: int, warmup: int = 0) -> d
     sent message is recovered from its residual: S_j = L_j + e_before - e_after. With warmup = 20 the first
     three steps take the dense fallback (density > 0.42), the fourth the sparse path."""
     cfg = ExchangeConfig(
-        method="local_mix", local_mode=mode, drop_ratio=0.9, quantize_bits=bits, warmup_steps=warmup
+        method="local_mix",
+        drop_ratio=0.9,
+        quantize_bits=bits,
+        warmup_steps=warmup,
+        local_mix=LocalMixOptions(local_mode=mode),
     )
     ex = LocalMix(cfg)
     worst_sparse, worst_dense = 0.0, 0.0
@@ -76,7 +76,9 @@ def _equivalence(rank: int, world: int) -> float:
 
 def _averaging(rank: int, world: int) -> dict:
     """average_every = 2: replicas differ after step 1, agree after step 2; synchronize_params averages."""
-    ex = LocalMix(ExchangeConfig(method="local_mix", drop_ratio=0.9, average_every=2))
+    ex = LocalMix(
+        ExchangeConfig(method="local_mix", drop_ratio=0.9, local_mix=LocalMixOptions(average_every=2))
+    )
     params = torch.zeros(N)
     spreads, bytes_avg = [], []
     for t in range(3):
@@ -139,7 +141,7 @@ def test_parameters_are_averaged_periodically_and_before_eval(two_ranks: list[di
 
 
 def test_state_round_trip() -> None:
-    cfg = ExchangeConfig(method="local_mix", drop_ratio=0.9, average_every=3)
+    cfg = ExchangeConfig(method="local_mix", drop_ratio=0.9, local_mix=LocalMixOptions(average_every=3))
     a = LocalMix(cfg)
     params = torch.zeros(N)
     for t in range(2):

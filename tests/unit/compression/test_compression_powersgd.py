@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +15,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from compression import ParamSpan, StepContext
-from compression.config import ExchangeConfig
+from compression.config import ExchangeConfig, PowerSgdOptions
 from compression.powersgd import PowerSGD, orthogonalize, split_layout
 from compression.registry import build_exchange
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gloo_harness import run_ranks  # noqa: E402
+from gloo_harness import run_ranks
 
 LAYOUT = [
     ParamSpan("w1", 0, (20, 30), "matrix"),
@@ -42,8 +39,11 @@ def gradient(seed: int, rank: int, n: int = N) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank))
 
 
-def powersgd(**options: float) -> PowerSGD:
-    return PowerSGD(ExchangeConfig(method="powersgd", **options))
+def powersgd(sample_seed: int = 0, **options: float) -> PowerSGD:
+    """PowerSGD with `exchange.powersgd` options (rank, start_step, min_compression_rate)."""
+    return PowerSGD(
+        ExchangeConfig(method="powersgd", sample_seed=sample_seed, powersgd=PowerSgdOptions(**options))
+    )
 
 
 def _identical(t: torch.Tensor) -> bool:
@@ -142,12 +142,7 @@ def _against_torch(rank: int, world: int, matrix_rank: int, seed: int) -> dict:
         layout.append(ParamSpan(name, offset, shape, "vector" if len(shape) == 1 else "matrix"))
         offset += params[name].numel()
 
-    ours = powersgd(
-        powersgd_rank=matrix_rank,
-        powersgd_start_step=START,
-        powersgd_min_compression_rate=2,
-        sample_seed=seed,
-    )
+    ours = powersgd(rank=matrix_rank, start_step=START, min_compression_rate=2, sample_seed=seed)
     errors, dense_gaps, identical, sent = [], [], [], []
     for t in range(STEPS):
         flat = torch.cat([local_grads[t][name].view(-1) for name in order])
@@ -174,7 +169,7 @@ def _against_torch(rank: int, world: int, matrix_rank: int, seed: int) -> dict:
 
 def _lossless(rank: int, world: int) -> float:
     """Rank 30 >= min(n, m) for both matrices: PowerSGD reproduces the dense average."""
-    ex = powersgd(powersgd_rank=30, powersgd_start_step=START, powersgd_min_compression_rate=1e-3)
+    ex = powersgd(rank=30, start_step=START, min_compression_rate=1e-3)
     worst = 0.0
     for t in range(START + 3):
         g = gradient(t, rank)
@@ -186,7 +181,7 @@ def _lossless(rank: int, world: int) -> float:
 
 def _conservation(rank: int, world: int) -> dict:
     """sum_t applied_t + mean_i e_i == mean_i sum_t g_i: error feedback loses no gradient mass."""
-    ex = powersgd(powersgd_rank=1, powersgd_start_step=START)
+    ex = powersgd(rank=1, start_step=START)
     applied, local = torch.zeros(N), torch.zeros(N)
     identical, sent = [], []
     for t in range(START + 5):
@@ -215,7 +210,7 @@ def _checkpoint(state: dict) -> dict:
 def _resume(rank: int, world: int) -> dict:
     """Copies resumed from checkpoints (through torch.save) of a run continue exactly as the run did: one
     resumed in the start phase (no residual, no Q yet), one in the middle of compression."""
-    options = {"powersgd_rank": 2, "powersgd_start_step": START}
+    options = {"rank": 2, "start_step": START}
     a = powersgd(**options)
     outputs, states = [], []
     for t in range(START + 5):
@@ -336,10 +331,6 @@ def test_world_of_one_is_untouched() -> None:
 
 def test_config_is_validated_and_method_registered() -> None:
     assert isinstance(build_exchange(ExchangeConfig(method="powersgd")), PowerSGD)
-    for key, bad in [
-        ("powersgd_rank", 0),
-        ("powersgd_start_step", 1),
-        ("powersgd_min_compression_rate", 0.0),
-    ]:
-        with pytest.raises(ValueError, match=f"exchange.{key}"):
-            PowerSGD(ExchangeConfig(method="powersgd", **{key: bad}))
+    for key, bad in [("rank", 0), ("start_step", 1), ("min_compression_rate", 0.0)]:
+        with pytest.raises(ValueError, match=f"exchange.powersgd.{key}"):
+            powersgd(**{key: bad})

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from compression.config import ExchangeConfig
+from compression.config import ExchangeConfig, SbcOptions
 from compression.dense import DenseAllReduce
 from compression.protocol import ParamSpan, StepContext
 from compression.registry import build_exchange
@@ -34,7 +34,8 @@ def make_ctx(step: int = 0, world_size: int = 1, rank: int = 0) -> StepContext:
 
 
 def sbc(**options: object) -> SparseBinaryCompression:
-    return SparseBinaryCompression(ExchangeConfig(method="sbc", **options))
+    """SBC with `exchange.sbc` options (delay, density, preset, binarize, selection, ...)."""
+    return SparseBinaryCompression(ExchangeConfig(method="sbc", sbc=SbcOptions(**options)))
 
 
 def local_gradient(rank: int, step: int) -> torch.Tensor:
@@ -100,7 +101,7 @@ def test_binarization_picks_the_larger_mean_side() -> None:
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"sbc_selection": "magnitude"}, {"sbc_binarize": False}, {"sbc_dense_vectors": True}]
+    "options", [{}, {"selection": "magnitude"}, {"binarize": False}, {"dense_vectors": True}]
 )
 def test_residual_conservation(options: dict) -> None:
     """ΔW + old residual = own decoded message + new residual, every round (world size 1)."""
@@ -113,8 +114,9 @@ def test_residual_conservation(options: dict) -> None:
     for step in range(1, 9):
         params -= LR * local_gradient(0, step)
         before = params - exchange.params_at_last_sync + exchange.residual
+        done = exchange.rounds
         stats = exchange.after_step(params, make_ctx(step))
-        if stats.extra.get("sbc_round"):
+        if exchange.rounds > done:
             own = torch.zeros(NUMEL)
             exchange.codec.decode_into(own, exchange.last_message, LAYOUT)
             torch.testing.assert_close(own + exchange.residual, before, rtol=0, atol=1e-6)
@@ -127,7 +129,7 @@ def test_residual_conservation(options: dict) -> None:
 
 
 def test_dense_vectors_travel_exactly() -> None:
-    exchange = sbc(delay=1, density=0.01, sbc_dense_vectors=True)
+    exchange = sbc(delay=1, density=0.01, dense_vectors=True)
     params = initial_params(0)
     exchange.synchronize_params(params, make_ctx())
     params -= LR * local_gradient(0, 1)
@@ -181,8 +183,8 @@ def test_presets_override_delay_and_density() -> None:
     assert (sbc(preset="delay-100").delay, sbc(preset="no-delay").density) == (100, 0.001)
     with pytest.raises(ValueError, match="did you mean 'delay-10'"):
         sbc(preset="delay10")
-    with pytest.raises(ValueError, match="sbc_selection"):
-        sbc(sbc_selection="topk")
+    with pytest.raises(ValueError, match="exchange.sbc.selection"):
+        sbc(selection="topk")
     assert isinstance(build_exchange(ExchangeConfig(method="sbc")), SparseBinaryCompression)
 
 
@@ -193,22 +195,47 @@ def test_reduce_leaves_the_local_gradient_alone() -> None:
     assert torch.equal(grad, before) and stats.bytes_sent == 0
 
 
-def test_momentum_masking_zeroes_sent_positions() -> None:
-    exchange = sbc(delay=1, density=0.1)
+def _momentum_run(
+    **options: object,
+) -> tuple[SparseBinaryCompression, list[torch.nn.Parameter], torch.optim.SGD]:
+    """One local momentum-SGD step, the start, a round (delay 1), each followed by on_optimizer_step as the
+    trainer calls it."""
+    exchange = sbc(delay=1, density=0.1, **options)
     flat = initial_params(0)
     params = [torch.nn.Parameter(flat[s.offset : s.end].clone().view(s.shape)) for s in LAYOUT]
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
-    for p, s in zip(params, LAYOUT):
-        p.grad = local_gradient(0, 1)[s.offset : s.end].view(s.shape)
-    optimizer.step()
+    _local_sgd_step(params, optimizer, 1)
     exchange.synchronize_params(flat, make_ctx())
+    exchange.on_optimizer_step(optimizer, params, LAYOUT)  # the start sends nothing: nothing to mask
+    assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)
     flat -= LR * local_gradient(0, 1)
     exchange.after_step(flat, make_ctx(1))
-    exchange.mask_momentum(optimizer, params, LAYOUT)
+    exchange.on_optimizer_step(optimizer, params, LAYOUT)
+    return exchange, params, optimizer
+
+
+def _local_sgd_step(params: list[torch.nn.Parameter], optimizer: torch.optim.SGD, step: int) -> None:
+    for p, s in zip(params, LAYOUT):
+        p.grad = local_gradient(0, step)[s.offset : s.end].view(s.shape)
+    optimizer.step()
+
+
+def test_on_optimizer_step_masks_momentum_where_the_round_sent_once() -> None:
+    exchange, params, optimizer = _momentum_run()
     for p, positions in zip(params, exchange.last_sent):
         buffer = optimizer.state[p]["momentum_buffer"].view(-1)
         assert positions.numel() > 0 and bool((buffer[positions] == 0).all())
         assert int((buffer != 0).sum()) == buffer.numel() - positions.numel()
+    # The momentum builds up again; without a new round the hook leaves it alone.
+    _local_sgd_step(params, optimizer, 2)
+    exchange.on_optimizer_step(optimizer, params, LAYOUT)
+    assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)
+
+
+def test_on_optimizer_step_without_momentum_masking_leaves_the_optimizer_alone() -> None:
+    exchange, params, optimizer = _momentum_run(momentum_masking=False)
+    assert exchange.rounds == 1
+    assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)
 
 
 # --- two real gloo workers ----------------------------------------------------------------------------
@@ -230,9 +257,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         # (1) delay 1, p = 1, no binarization == dense gradient averaging with plain SGD.
         dense_params, dense = initial_params(0), DenseAllReduce()  # dense path starts from identical params
         sbc_params = initial_params(0)
-        exchange = sbc(delay=1, density=1.0, sbc_binarize=False)
+        exchange = sbc(delay=1, density=1.0, binarize=False)
         start = exchange.synchronize_params(sbc_params, ctx)  # identical replicas: a 32-byte check only
-        results["identical_start"] = (start.bytes_sent, start.extra.get("params_unchanged", 0.0))
+        results["identical_start"] = start.bytes_sent
         results["identical_start_params"] = torch.equal(sbc_params, initial_params(0))
         for step in range(1, 4):
             grad = local_gradient(rank, step)
@@ -248,30 +275,35 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         params = initial_params(rank)  # different on purpose
         exchange = sbc(delay=3, density=0.05)
         start = exchange.synchronize_params(params, ctx)
-        results["different_start"] = (start.bytes_sent, start.extra.get("params_unchanged", 0.0))
+        results["different_start"] = start.bytes_sent
         results["after_start"] = params.clone()
         velocity = torch.zeros(NUMEL)
         rounds, between, stats_log = [], [], []
         for step in range(1, 13):
             velocity.mul_(0.9).add_(local_gradient(rank, step))
             params -= LR * velocity
+            done = exchange.rounds
             stats = exchange.after_step(params, make_ctx(step, world_size, rank))
-            if stats.extra.get("sbc_round"):
+            if exchange.rounds > done:
                 rounds.append(params.clone())
                 stats_log.append((stats.bytes_sent, stats.bytes_received))
             else:
                 between.append(params.clone())
         # (3) synchronize_params mid-round: an early round.
         params -= LR * local_gradient(rank, 13)
-        assert not exchange.after_step(params, make_ctx(13, world_size, rank)).extra.get("sbc_round")
-        early = exchange.synchronize_params(params, make_ctx(13, world_size, rank))
-        results["after_early"] = exchange.synchronize_params(params, ctx).extra.get("sbc_round", 0.0)
+        done = exchange.rounds
+        exchange.after_step(params, make_ctx(13, world_size, rank))
+        assert exchange.rounds == done
+        exchange.synchronize_params(params, make_ctx(13, world_size, rank))
+        early_rounds = exchange.rounds - done
+        exchange.synchronize_params(params, ctx)
+        results["after_early"] = exchange.rounds - done - early_rounds
         results.update(
             rounds=rounds,
             between=between,
             stats=stats_log,
             early=params.clone(),
-            early_round=early.extra.get("sbc_round", 0.0),
+            early_round=early_rounds,
             message_bytes=exchange.last_message.numel(),
         )
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -293,8 +325,8 @@ def test_delay1_density1_without_binarization_equals_dense(gloo_results: list[di
 
 def test_start_checks_replicas_and_averages_only_when_they_differ(gloo_results: list[dict]) -> None:
     for result in gloo_results:
-        assert result["identical_start"] == (32, 1.0) and result["identical_start_params"]
-        assert result["different_start"] == (32 + NUMEL * 4, 0.0)  # the check, then a dense fp32 average
+        assert result["identical_start"] == 32 and result["identical_start_params"]  # the check, no average
+        assert result["different_start"] == 32 + NUMEL * 4  # the check, then a dense fp32 average
     expected = (initial_params(0) + initial_params(1)) / 2
     torch.testing.assert_close(gloo_results[0]["after_start"], expected, rtol=0, atol=1e-6)
 
@@ -306,8 +338,8 @@ def test_replicas_identical_after_each_round(gloo_results: list[dict]) -> None:
     for a, b in zip(r0["rounds"], r1["rounds"]):
         assert torch.equal(a, b)  # bit-identical
     assert not torch.equal(r0["between"][0], r1["between"][0])  # replicas drift between rounds
-    assert r0["early_round"] == 1.0 and torch.equal(r0["early"], r1["early"])
-    assert r0["after_early"] == 0.0  # nothing pending right after a round: no second round
+    assert r0["early_round"] == 1 and torch.equal(r0["early"], r1["early"])
+    assert r0["after_early"] == 0  # nothing pending right after a round: no second round
 
 
 def test_bytes_received_are_the_other_ranks_messages(gloo_results: list[dict]) -> None:

@@ -3,9 +3,6 @@ embedding rows with different counts per rank, and the flat <-> sparse-space ind
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -14,8 +11,7 @@ from compression.partition import BufferPartition
 from compression.sparse_allgather import SparseAllGather, all_gather_words, exchange_rows
 from kernels import scatter_add_decode, scatter_rows
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gloo_harness import run_ranks  # noqa: E402
+from gloo_harness import run_ranks
 
 N = 500
 CAPACITY = 40

@@ -1,0 +1,342 @@
+"""The exchange section: options typed per method, an option of another method is an error naming the key,
+the old flat keys still load (one warning each, from a recipe or an override), and the DGS staleness bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from compression.config import (
+    METHOD_SECTIONS,
+    RENAMED_KEYS,
+    SHARED_OPTION_METHODS,
+    DgsOptions,
+    ExchangeConfig,
+    SbcOptions,
+)
+from compression.dgs import DENSE, ParameterServer, TopDensity, Update
+from compression.registry import available_methods
+from nmt.config import ConfigError, dump_config, load_config
+
+METHODS = sorted({*available_methods(), "dgs"})
+# A valid value away from the default for every option, by its path under `exchange.`.
+EXAMPLES: dict[str, object] = {
+    "drop_ratio": 0.9,
+    "threshold": "layer",
+    "threshold_estimator": "exact",
+    "sample_size": 10,
+    "capacity_factor": 2.0,
+    "warmup_steps": 5,
+    "dense_vectors": False,
+    "embedding_rows": False,
+    "quantize_bits": 2,
+    "dense_fallback": False,
+    "sample_seed": 3,
+    "local_mix.local_mode": "sum",
+    "local_mix.average_every": 7,
+    "dgc.momentum": 0.5,
+    "dgc.local_clip_norm": 1.0,
+    "sbc.delay": 3,
+    "sbc.density": 0.5,
+    "sbc.preset": "delay-10",
+    "sbc.binarize": False,
+    "sbc.selection": "magnitude",
+    "sbc.dense_vectors": True,
+    "sbc.momentum_masking": False,
+    "dgs.max_staleness": 40,
+    "dgs.mode": "one_way",
+    "dgs.pull_density": 0.05,
+    "dgs.deterministic": True,
+    "powersgd.rank": 2,
+    "powersgd.start_step": 5,
+    "powersgd.min_compression_rate": 3.0,
+}
+SECTION_OPTIONS = [key for key in EXAMPLES if "." in key]
+
+
+def exchange_tree(method: str, **options: object) -> dict:
+    """{"method": m, "sbc": {"delay": 3}, ...} from dotted options ("sbc.delay")."""
+    tree: dict = {"method": method}
+    for key, value in options.items():
+        *section, name = key.split(".")
+        (tree.setdefault(section[0], {}) if section else tree)[name] = value
+    return tree
+
+
+def write_recipe(tmp_path: Path, exchange: dict) -> Path:
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump({"exchange": exchange}, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(text))
+
+
+def get(exchange: ExchangeConfig, key: str) -> object:
+    value: object = exchange
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "nmt.config" and r.levelno == logging.WARNING]
+
+
+def test_examples_cover_every_option() -> None:
+    shared = [
+        f.name for f in dataclasses.fields(ExchangeConfig) if f.name not in ("method", *METHOD_SECTIONS)
+    ]
+    assert sorted(shared) == sorted(SHARED_OPTION_METHODS)
+    nested = [
+        f"{section}.{f.name}"
+        for section in METHOD_SECTIONS
+        for f in dataclasses.fields(getattr(ExchangeConfig(), section))
+    ]
+    assert sorted(EXAMPLES) == sorted([*shared, *nested])
+    assert sorted(RENAMED_KEYS.values()) == sorted(SECTION_OPTIONS)  # every method option had a flat name
+
+
+# ------------------------------------------------------------------------------------------ nested keys
+
+
+def test_nested_keys_load_from_a_recipe_and_from_overrides(tmp_path: Path, caplog) -> None:
+    recipe = write_recipe(tmp_path, {"method": "sbc", "sbc": {"delay": 10, "selection": "magnitude"}})
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        config = load_config(recipe, ["exchange.sbc.density=0.05", "exchange.sbc.binarize=false"])
+    assert (config.exchange.sbc.delay, config.exchange.sbc.selection) == (10, "magnitude")
+    assert (config.exchange.sbc.density, config.exchange.sbc.binarize) == (0.05, False)
+    assert warnings_of(caplog) == []
+    again = tmp_path / "dumped.yml"
+    again.write_text(dump_config(config), encoding="utf-8")  # what config.yml holds: reads back the same
+    assert load_config(again).exchange == config.exchange
+
+
+@pytest.mark.parametrize("key", SECTION_OPTIONS)
+def test_each_method_option_lands_under_its_method(key: str) -> None:
+    method = key.split(".")[0]
+    exchange = load_config(None, [f"exchange.method={method}", f"exchange.{key}={json.dumps(EXAMPLES[key])}"])
+    assert get(exchange.exchange, key) == EXAMPLES[key]
+
+
+# --------------------------------------------------------------------------------- options of other methods
+
+
+def test_an_option_of_another_method_is_an_error_naming_the_key_and_line(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, {"method": "local_mix", "sbc": {"delay": 5}})
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert str(err.value) == (
+        f"{recipe}:{line_of(recipe, 'delay:')}: exchange.sbc.delay is set but exchange.method is "
+        "'local_mix'; it only applies to method sbc: remove it or set exchange.method=sbc"
+    )
+    with pytest.raises(ConfigError, match=r"^override exchange.method=dense: exchange.sbc.delay is set"):
+        load_config(write_recipe(tmp_path, {"method": "sbc", "sbc": {"delay": 5}}), ["exchange.method=dense"])
+
+
+@pytest.mark.parametrize("key", SECTION_OPTIONS)
+@pytest.mark.parametrize("method", METHODS)
+def test_method_options_apply_to_their_method_only(key: str, method: str) -> None:
+    owner = key.split(".")[0]
+    config = ExchangeConfig(method=method)
+    setattr(getattr(config, owner), key.split(".")[1], EXAMPLES[key])
+    if method == owner:
+        config.validate()
+        return
+    with pytest.raises(ValueError) as err:
+        config.validate()
+    assert str(err.value) == (
+        f"exchange.{key} is set but exchange.method is {method!r}; it only applies to method {owner}: "
+        f"remove it or set exchange.method={owner}"
+    )
+
+
+@pytest.mark.parametrize("key", sorted(SHARED_OPTION_METHODS))
+@pytest.mark.parametrize("method", METHODS)
+def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: str) -> None:
+    config = ExchangeConfig(method=method, **{key: EXAMPLES[key]})
+    if method in SHARED_OPTION_METHODS[key]:
+        config.validate()
+        return
+    with pytest.raises(
+        ValueError, match=rf"^exchange\.{key} is set but exchange\.method is '{method}'; it only"
+    ):
+        config.validate()
+
+
+def test_shared_options_table() -> None:
+    """Who reads what (documented in compression/config.py): the dropping family everything; dgc no
+    embedding rows; dgs no dense vectors nor embedding rows; powersgd only the seed; dense and sbc none."""
+    readers = {key: set(methods) for key, methods in SHARED_OPTION_METHODS.items()}
+    assert {m for methods in readers.values() for m in methods} == {
+        "dropping",
+        "local_mix",
+        "dgc",
+        "dgs",
+        "powersgd",
+    }
+    assert all({"dropping", "local_mix"} <= methods for methods in readers.values())
+    assert readers["embedding_rows"] == {"dropping", "local_mix"}
+    assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc"}
+    assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
+
+
+def test_an_option_set_to_its_default_is_no_error() -> None:
+    ExchangeConfig(method="dense", drop_ratio=0.99, sbc=SbcOptions(delay=1)).validate()
+
+
+def test_a_recipe_section_of_another_method_can_be_reset_from_the_command_line(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, {"method": "local_mix", "local_mix": {"average_every": 100}})
+    config = load_config(recipe, ["exchange.method=dense", "exchange.local_mix={}"])
+    assert config.exchange.local_mix.average_every == 500
+
+
+def test_the_shipped_recipes_load(caplog) -> None:
+    root = Path(__file__).resolve().parents[3]
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        for recipe in sorted((root / "recipes").glob("*.yml")):
+            load_config(recipe)
+    assert warnings_of(caplog) == []
+
+
+# ------------------------------------------------------------------------------------------- old keys
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_KEYS))
+def test_each_old_key_in_a_recipe_loads_with_one_warning(old: str, tmp_path: Path, caplog) -> None:
+    new = RENAMED_KEYS[old]
+    recipe = write_recipe(tmp_path, {"method": new.split(".")[0], old: EXAMPLES[new]})
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        config = load_config(recipe)
+    assert get(config.exchange, new) == EXAMPLES[new]
+    line = line_of(recipe, f"{old}:")
+    assert warnings_of(caplog) == [f"{recipe}:{line}: exchange.{old} is now exchange.{new}; rename it"]
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_KEYS))
+def test_each_old_key_in_an_override_loads_with_one_warning(old: str, caplog) -> None:
+    new = RENAMED_KEYS[old]
+    override = f"exchange.{old}={json.dumps(EXAMPLES[new])}"
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        config = load_config(None, [f"exchange.method={new.split('.')[0]}", override])
+    assert get(config.exchange, new) == EXAMPLES[new]
+    assert warnings_of(caplog) == [f"override {override}: exchange.{old} is now exchange.{new}; rename it"]
+
+
+def test_an_old_key_is_checked_under_its_new_name(tmp_path: Path, caplog) -> None:
+    with pytest.raises(ConfigError, match=r"^override exchange.delay=0: exchange.sbc.delay must be >= 1"):
+        load_config(None, ["exchange.method=sbc", "exchange.delay=0"])
+    recipe = write_recipe(tmp_path, {"method": "sbc", "delay": 0})
+    with pytest.raises(
+        ConfigError, match=rf"^{recipe}:{line_of(recipe, 'delay:')}: exchange.sbc.delay must be"
+    ):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="exchange.sbc.delay is set but exchange.method is 'dense'"):
+        load_config(None, ["exchange.delay=3"])  # an override is not an old-style recipe: the new rules hold
+
+
+def test_an_override_replaces_the_recipes_old_key(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, {"method": "sbc", "delay": 5})
+    assert load_config(recipe, ["exchange.sbc.delay=7"]).exchange.sbc.delay == 7
+    both = write_recipe(tmp_path, {"method": "sbc", "delay": 5, "sbc": {"delay": 6}})
+    with pytest.raises(
+        ConfigError, match="exchange.delay and exchange.sbc.delay are both set; keep exchange.sbc.delay"
+    ):
+        load_config(both)
+
+
+OLD_DEFAULTS = {  # the exchange section as config.yml files wrote it before the options moved
+    "local_mode": "replace",
+    "average_every": 500,
+    "momentum": 0.9,
+    "local_clip_norm": 0.0,
+    "delay": 1,
+    "density": 0.01,
+    "preset": "",
+    "max_staleness": 16,
+    "sbc_binarize": True,
+    "sbc_selection": "per_sign",
+    "sbc_dense_vectors": False,
+    "sbc_momentum_masking": True,
+    "dgs_mode": "dual",
+    "dgs_pull_density": 0.0,
+    "dgs_deterministic": False,
+    "powersgd_rank": 4,
+    "powersgd_start_step": 10,
+    "powersgd_min_compression_rate": 2.0,
+}
+
+
+def old_checkpoint_config(tmp_path: Path, method: str, **changes: object) -> Path:
+    shared = {
+        f.name: f.default for f in dataclasses.fields(ExchangeConfig) if f.name in SHARED_OPTION_METHODS
+    }
+    return write_recipe(tmp_path, {"method": method, **shared, **OLD_DEFAULTS, **changes})
+
+
+def test_an_old_checkpoint_config_keeps_loading(tmp_path: Path, caplog) -> None:
+    """recipes/bible-es-en.yml used to carry local_mix settings with method dense: its runs' config.yml hold
+    them. They were ignored then, so they are ignored now (not an error), and the run resumes."""
+    saved = old_checkpoint_config(tmp_path, "dense", average_every=100, warmup_steps=50)
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        config = load_config(saved, warn_old_keys=False)  # how checkpoints are read: nothing to tell the user
+    assert warnings_of(caplog) == []
+    assert config.exchange == ExchangeConfig()  # everything dense does not read is back at its default
+    with caplog.at_level(logging.WARNING, logger="nmt.config"):
+        load_config(saved)  # given as --config by the user: says what to rename and what is ignored
+    lines = warnings_of(caplog)
+    assert len([line for line in lines if "is now" in line]) == len(RENAMED_KEYS)
+    ignored = [line for line in lines if "is ignored" in line]
+    assert len(ignored) == 3  # warmup_steps, average_every and the old max_staleness default (16)
+    assert ignored[0] == (
+        f"{saved}:{line_of(saved, 'warmup_steps:')}: exchange.warmup_steps is ignored: exchange.method "
+        "'dense' does not read it (tolerated beside the old flat keys, an error with the new ones): remove it"
+    )
+
+
+def test_an_old_checkpoint_config_of_the_method_keeps_its_options(tmp_path: Path) -> None:
+    saved = old_checkpoint_config(tmp_path, "dgs", dgs_mode="one_way", warmup_steps=50)
+    dgs = load_config(saved, warn_old_keys=False).exchange
+    assert (dgs.dgs.mode, dgs.dgs.max_staleness, dgs.warmup_steps) == (
+        "one_way",
+        16,
+        50,
+    )  # the bound it ran with
+
+
+# ----------------------------------------------------------------------------------- DGS staleness bound
+
+
+def test_max_staleness_defaults_to_auto() -> None:
+    options = DgsOptions()
+    assert options.max_staleness == 0
+    assert [options.staleness_bound(w) for w in (1, 2, 8, 9, 32)] == [16, 16, 16, 18, 64]
+    assert DgsOptions(max_staleness=400).staleness_bound(32) == 400
+    with pytest.raises(ValueError, match=r"exchange.dgs.max_staleness must be >= 0 \(0 = auto\)"):
+        DgsOptions(max_staleness=-1).validate()
+
+
+def refreshes_in_round_robin(workers: int, max_staleness: int, rounds: int = 4) -> int:
+    """Dense refreshes when `workers` take turns pushing and pulling (each pulls every `workers` updates)."""
+    server = ParameterServer(torch.zeros(1000), workers, max_staleness)
+    selector = TopDensity(estimator="exact", dense_fallback=False)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(rounds * workers):
+        worker = step % workers
+        server.apply(worker, Update(DENSE, torch.randn(1000, generator=gen)), lr=0.1)
+        server.pull(worker, selector, density=0.01)
+    return server.refreshes
+
+
+def test_the_auto_bound_keeps_pulls_sparse_with_many_workers() -> None:
+    workers = 20
+    assert refreshes_in_round_robin(workers, 16) >= (4 - 1) * workers  # the old default: every pull dense
+    auto = refreshes_in_round_robin(workers, DgsOptions().staleness_bound(workers))
+    assert auto <= workers  # about one dense refresh in every other round
