@@ -21,7 +21,15 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from nmt.cli.common import OneLineParser, fail, flag_message
+from nmt.cli.common import (
+    OneLineParser,
+    close_output,
+    fail,
+    flag_message,
+    open_output,
+    output_failed,
+    reader_went_away,
+)
 from nmt.data.corpus import CorpusError, count_lines, iter_parallel
 from nmt.decoding.scorer import Scorer
 
@@ -137,12 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         scorer = Scorer.from_checkpoints(args.model, device=args.device, **overrides)
     except (ValueError, OSError) as error:  # CheckpointError and the vocabularies' errors are ValueErrors
         fail(parser, flag_message(str(error), args, _FLAGS))
-    try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    except OSError as error:
-        fail(
-            parser, f"--output {args.output}: cannot write it ({error.strerror}); choose a writable location"
-        )
+    out = open_output(parser, args.output)
     truncated: list[int] = []
     try:
         pairs = iter_parallel(Path(args.src), Path(args.tgt)) if n_pairs else iter(())
@@ -154,25 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     except CorpusError as error:
         fail(parser, str(error))
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, as other Unix tools do.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
-        return 1
+        return reader_went_away()
     except OSError as error:
-        where = f"--output {args.output}" if args.output else "stdout"
-        fail(
-            parser,
-            f"{where}: writing failed ({error.strerror or error}); free disk space or choose another "
-            f"location",
-        )
+        output_failed(parser, args.output, error)
     finally:
-        if args.output:
-            try:
-                out.close()
-            except OSError:
-                pass
+        close_output(out, args.output)
     if truncated:
         print(_truncation_warning(truncated, scorer.cfg.max_input_tokens), file=sys.stderr, flush=True)
     return 0

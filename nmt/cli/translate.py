@@ -28,7 +28,15 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, TextIO
 
-from nmt.cli.common import OneLineParser, fail, flag_message
+from nmt.cli.common import (
+    OneLineParser,
+    close_output,
+    fail,
+    flag_message,
+    open_output,
+    output_failed,
+    reader_went_away,
+)
 from nmt.decoding.translator import Translator, apply_overrides
 
 CHUNK_LINES = 2000  # lines translated at once: big enough to sort by length, small enough to stream
@@ -216,13 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
     try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    except OSError as error:
+        out = open_output(parser, args.output)
+    except SystemExit:  # the output cannot be written: one line, and the input is closed first
         if args.input:
             source.close()
-        fail(
-            parser, f"--output {args.output}: cannot write it ({error.strerror}); choose a writable location"
-        )
+        raise
     name = f"--input {args.input}" if args.input else "stdin"
     truncated: list[int] = []
     try:
@@ -238,24 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         fail(parser, str(error))
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, as other Unix tools do.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-        except (OSError, ValueError):
-            pass
-        return 1
+        return reader_went_away()
     except OSError as error:
-        where = f"--output {args.output}" if args.output else "stdout"
-        reason = error.strerror or str(error)
-        fail(parser, f"{where}: writing failed ({reason}); free disk space or choose another location")
+        output_failed(parser, args.output, error)
     finally:
         if args.input:
             source.close()
-        if args.output:
-            try:
-                out.close()
-            except OSError:
-                pass
+        close_output(out, args.output)
     if truncated:
         print(_truncation_warning(truncated, translator.cfg.max_input_tokens), file=sys.stderr, flush=True)
     return 0
