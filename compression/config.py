@@ -12,9 +12,6 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 
-# Runs in the asynchronous trainer (nmt/training/async_trainer.py), not through the method registry.
-ASYNC_METHODS = ("dgs",)
-
 # The sparsifying family: the methods that read the shared options at `exchange.*`.
 SPARSE_METHODS = ("dropping", "local_mix", "dgc", "dgs")
 # Which methods read each shared option; with any other method, a value away from the default is an error.
@@ -192,7 +189,7 @@ class ExchangeConfig:
     option that `method` does not read (a shared one, or one under another method's key) must keep its
     default: anything else is an error naming the key.
 
-    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd (see
+    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd | dgs (see
     `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
@@ -223,7 +220,7 @@ class ExchangeConfig:
         """Raise ValueError naming the key for any out-of-range option, or one the method does not read."""
         from compression.registry import available_methods  # here: the registry imports this module
 
-        methods = sorted({*available_methods(), *ASYNC_METHODS})
+        methods = available_methods()
         if self.method not in methods:
             raise unknown_choice("exchange.method", "method", self.method, methods)
         if not 0.0 <= self.drop_ratio < 1.0:

@@ -3,7 +3,7 @@
 Why a module without processes: what the parameter server and the workers compute is exact arithmetic on flat
 fp32 buffers, and its invariants (every worker's model equals the server's minus what is still pending for it;
 nothing selected or left behind is lost; SAMomentum at density 1 is momentum SGD) can be unit-tested without
-starting a single process. `nmt/training/async_trainer.py` moves these messages between processes.
+starting a single process. `nmt/training/dgs_transport.py` moves these messages between processes.
 
 Notation: n parameters in one flat fp32 buffer, W workers, d = push density, d' = pull density.
     worker w:  theta_w  its model copy;  u_w  its SAMomentum buffer
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from compression.dropping import warmup_density
+from compression.registry import register_asynchronous
 from kernels import exact_threshold, sampled_threshold, scatter_add_decode, sparse_gather
 
 PAIR_BYTES = 8  # one sent coordinate: int32 index + fp32 value
@@ -46,13 +47,29 @@ DENSE_BYTES = 4  # one fp32 value of a dense message
 SPARSE, DENSE, PARAMS = "sparse", "dense", "params"
 MODES = ("dual", "one_way", "dense")  # exchange.dgs.mode: push / pull sparse or dense
 
+# The wire (nmt/training/dgs_transport.py sends it): every message is an 8-word float64 header (tag 1) whose
+# word 0 is a message code, then, for an update, its `pack()`ed fp32 payload (tag 2): sparse = values then
+# int32 indices bit-cast (8 bytes per entry), dense/params = n values (4 bytes each).
+HEADER_WORDS = 8
+TAG_HEADER, TAG_PAYLOAD = 1, 2
+CODES = {SPARSE: 1, DENSE: 2, PARAMS: 3}  # an update of that kind follows
+KINDS = {code: kind for kind, code in CODES.items()}
+SAVE, STOP = 4, 5  # server -> workers: write your part of a checkpoint / the run is over
+
 __all__ = [
+    "CODES",
     "DENSE",
     "DENSE_BYTES",
+    "HEADER_WORDS",
+    "KINDS",
     "MODES",
     "PAIR_BYTES",
     "PARAMS",
+    "SAVE",
     "SPARSE",
+    "STOP",
+    "TAG_HEADER",
+    "TAG_PAYLOAD",
     "ParameterServer",
     "SAMomentum",
     "TopDensity",
@@ -289,3 +306,7 @@ class ParameterServer:
         self.last_pull = list(state["last_pull"])
         self.last_refresh = list(state["last_refresh"])
         self.refreshes = int(state["refreshes"])
+
+
+# exchange.method: dgs runs in the asynchronous trainer: N workers and one parameter server.
+register_asynchronous("dgs", extra_processes=1)

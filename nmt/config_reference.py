@@ -165,13 +165,12 @@ def _self_path(node: ast.AST) -> str:
 
 def registry_choices() -> dict[str, tuple[Any, ...]]:
     """Keys whose accepted names live in a registry rather than in a `validate()` tuple."""
-    from compression.config import ASYNC_METHODS
     from compression.registry import available_methods
     from compression.sbc import PRESETS as SBC_PRESETS
 
     return {
         "model.preset": tuple(MODEL_PRESETS),
-        "exchange.method": tuple(sorted({*available_methods(), *ASYNC_METHODS})),
+        "exchange.method": tuple(available_methods()),
         "exchange.sbc.preset": tuple(SBC_PRESETS),
     }
 

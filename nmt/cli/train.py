@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from compression.registry import is_asynchronous, job_processes
 from nmt.cli.common import OneLineParser
 from nmt.config import Config, ConfigError, config_to_dict, dump_config, load_config
 from nmt.data.corpus import CorpusError, check_parallel_files
@@ -32,19 +33,16 @@ from nmt.training.checkpoint import (
     find_resume_dir,
 )
 from nmt.training.distributed import (
-    EXIT_PEER_LOST,
     WorkerInfo,
-    destroy_process_group,
-    init_process_group,
     launch_local_workers,
     launcher_gone,
     under_launcher,
     worker_info_from_env,
 )
-from nmt.training.errors import TrainingDiverged
 from nmt.training.init_from import apply_init_from
-from nmt.training.metrics import append_to_train_log, tensorboard_problem
+from nmt.training.metrics import tensorboard_problem
 from nmt.training.precision import PrecisionError, require_runnable
+from nmt.training.runner import report_failure, run_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,15 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, code: int = 2, model_dir: str | None = None) -> int:
-    """One line on stderr (and, from a worker whose model_dir exists, at the end of its train.log)."""
-    line = f"nmt-train: error: {message}"
-    print(line, file=sys.stderr, flush=True)
-    if model_dir:
-        append_to_train_log(model_dir, line)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Intermixed: overrides may come before and after options (`--config R a=1 --workers 2 b=2`).
@@ -87,29 +76,31 @@ def main(argv: list[str] | None = None) -> int:
     if local_worker and launcher_gone():
         return 1  # our launcher died while we started: nobody is waiting for this worker
     if not args.config and not args.overrides:
-        return _fail("no configuration: pass --config FILE (see recipes/) and/or key.path=value overrides")
+        return report_failure(
+            "no configuration: pass --config FILE (see recipes/) and/or key.path=value overrides"
+        )
     try:
         # Renamed keys are reported once: by the launcher (or the single process), or by rank 0 (torchrun).
         config = load_config(
             args.config, args.overrides, warn_old_keys=not local_worker and worker_info_from_env().rank == 0
         )
     except ConfigError as err:
-        return _fail(str(err))
+        return report_failure(str(err))
     if args.dump_config:
         sys.stdout.write(dump_config(config))
         return 0
     try:
         apply_init_from(config)  # train.init_from: same architecture, its vocabulary (every process alike)
     except ConfigError as err:
-        return _fail(str(err))
+        return report_failure(str(err))
 
     hardware_problem = _hardware_problem(config)
     if hardware_problem:
-        return _fail(hardware_problem)
+        return report_failure(hardware_problem)
 
     workers = args.workers if args.workers is not None else config.train.workers
     if workers < 1:
-        return _fail(f"--workers must be >= 1, got {workers}")
+        return report_failure(f"--workers must be >= 1, got {workers}")
 
     # Checks before any worker starts: by the launcher (or the single process), or by rank 0 under torchrun.
     lock: ModelDirLock | None = None
@@ -119,16 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             problem = _oversubscribed(config, workers, args.workers is not None)
         problem = problem or _launch_problem(config)
         if problem:
-            return _fail(problem)
+            return report_failure(problem)
         try:
             lock = acquire_model_dir_lock(config.model_dir)
             _check_resume(config, workers)
         except (CheckpointError, CorpusError) as err:
             if lock is not None:
                 lock.release()
-            return _fail(str(err))
+            return report_failure(str(err))
     try:
-        if config.exchange.method == "dgs":  # asynchronous: N workers + 1 parameter server (docs/dgs.md)
+        if is_asynchronous(config.exchange.method):  # dgs: N workers + 1 parameter server (docs/dgs.md)
             from nmt.training.async_trainer import main_async
 
             return main_async(config, workers, _without_workers_flag(argv))
@@ -257,8 +248,8 @@ def _check_resume(config: Config, workers: int) -> None:
     if under_launcher():
         world = worker_info_from_env().world_size
     else:
-        world = workers + 1 if config.exchange.method == "dgs" else workers
-    check_world_size(ckpt, world)
+        world = job_processes(config.exchange.method, workers)
+    check_world_size(ckpt, world, servers=job_processes(config.exchange.method, 0))
     _check_same_model(config, ckpt)
 
 
@@ -321,50 +312,9 @@ def _without_workers_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def run_worker(config) -> int:
-    """Train as this process's rank; returns the exit code."""
-    from nmt.training.trainer import select_device
-
-    info = worker_info_from_env()
-
-    def fail(message: str, code: int = 2) -> int:
-        return _fail(message, code, config.model_dir if info.is_main else None)
-
-    threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
-    torch.set_num_threads(threads)
-    try:
-        device = select_device(config, info)
-        init_process_group(info, device, config.train.backend, config.train.collective_timeout_s)
-        _fit(config, info, device)
-    except (CorpusError, FileNotFoundError, ConfigError, PrecisionError) as err:
-        return fail(f"rank {info.rank}: {err}")
-    except OSError as err:  # a full disk or lost permissions while writing logs or outputs: one line
-        if info.world_size > 1 and isinstance(err, ConnectionError):
-            return fail(
-                f"rank {info.rank}: a connection to another worker failed ({err}); the job stops",
-                EXIT_PEER_LOST,
-            )
-        return fail(f"rank {info.rank}: {err}")
-    except KeyboardInterrupt:
-        return fail(
-            f"rank {info.rank}: interrupted; resume with the same command (checkpoints in "
-            f"{config.model_dir})",
-            130,
-        )
-    except TrainingDiverged as err:
-        return fail(f"rank {info.rank}: {err}", 1)
-    except RuntimeError as err:
-        text = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if info.world_size > 1 and _is_collective_failure(err):
-            return fail(
-                f"rank {info.rank}: a collective failed, so another worker died or hung ({text}); "
-                f"the job stops; resume from the last checkpoint in {config.model_dir}",
-                EXIT_PEER_LOST,
-            )
-        raise
-    finally:
-        destroy_process_group()
-    return 0
+def run_worker(config: Config) -> int:
+    """Train as this process's rank of a synchronous job; returns the exit code."""
+    return run_rank(config, _fit)
 
 
 def _fit(config: Config, info: WorkerInfo, device: torch.device) -> None:
@@ -376,12 +326,6 @@ def _fit(config: Config, info: WorkerInfo, device: torch.device) -> None:
         trainer.fit()
     finally:
         trainer.close()
-
-
-def _is_collective_failure(err: BaseException) -> bool:
-    text = str(err).lower()
-    markers = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "broken pipe", "socket")
-    return type(err).__name__ in ("DistBackendError", "DistNetworkError") or any(m in text for m in markers)
 
 
 if __name__ == "__main__":

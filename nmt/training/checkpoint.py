@@ -365,13 +365,15 @@ def _resume_todo(ckpt: Path) -> str:
     )
 
 
-def check_world_size(ckpt: Path, world_size: int) -> None:
-    """Refuse to resume `ckpt` with another number of workers than wrote it."""
+def check_world_size(ckpt: Path, world_size: int, servers: int = 0) -> None:
+    """Refuse to resume `ckpt` with another number of processes than wrote it; `servers` of them are not
+    workers (the DGS parameter server), so that the message counts workers as `--workers` does."""
     saved_world = saved_world_size(ckpt)
     if saved_world != world_size:
+        server = f" + {servers} parameter server" if servers else ""
         raise WorldSizeMismatch(
-            f"{ckpt}: checkpoint was written by {saved_world} workers but this run has {world_size}; "
-            f"resume with {saved_world} workers, or start a new model_dir "
+            f"{ckpt}: checkpoint was written by {saved_world - servers} workers{server} but this run has "
+            f"{world_size - servers}; resume with {saved_world - servers} workers, or start a new model_dir "
             "(per-rank residuals and data positions cannot be remapped)"
         )
 

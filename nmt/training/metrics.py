@@ -25,6 +25,31 @@ TENSORBOARD_DIR = "tensorboard"
 LOGGERS = ("nmt", "compression")  # the library's loggers that train.log records
 
 
+@dataclass
+class TokenTotals:
+    """Loss and token totals of the steps since the last `train` row; both trainers' rows start with them."""
+
+    loss: float = 0.0  # label-smoothed loss summed over tokens
+    nll: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+
+    def add_step(self, loss_sum: float, nll_sum: float, tokens: int) -> None:
+        self.loss += loss_sum
+        self.nll += nll_sum
+        self.tokens += tokens
+        self.steps += 1
+
+    def loss_fields(self, seconds: float) -> dict[str, float]:
+        """Per-token loss and nll, tokens, and tokens per second over `seconds`."""
+        return {
+            "loss": self.loss / max(self.tokens, 1),
+            "nll": self.nll / max(self.tokens, 1),
+            "tokens": self.tokens,
+            "tok_per_s": self.tokens / max(seconds, 1e-9),
+        }
+
+
 class MetricsLog:
     """Appends rows to metrics.jsonl (rank 0 only); flushed per row so a killed run loses nothing logged.
 

@@ -74,6 +74,11 @@ def test_resumed_server_continues_the_same_trajectory(write_config, tmp_path):
     part = ["nmt.cli.train", "--config", str(config), "--workers", "2", f"model_dir={tmp_path / 'part'}"]
     first = run_cli(*part, "train.max_steps=15")
     assert first.returncode == 0, first.stderr[-3000:]
+    other = run_cli(*part[:-3], "--workers", "1", part[-1])  # 1 worker + server: 2 processes, not 3
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1, other.stderr[-3000:]
+    assert lines[0].startswith("nmt-train: error: ") and "step-00000015" in lines[0]
+    assert "written by 2 workers + 1 parameter server but this run has 1" in lines[0]
     second = run_cli(*part)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step-00000015" in second.stderr

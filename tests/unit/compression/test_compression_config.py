@@ -24,7 +24,7 @@ from compression.dgs import DENSE, ParameterServer, TopDensity, Update
 from compression.registry import available_methods
 from nmt.config import ConfigError, dump_config, load_config
 
-METHODS = sorted({*available_methods(), "dgs"})
+METHODS = available_methods()
 # A valid value away from the default for every option, by its path under `exchange.`.
 EXAMPLES: dict[str, object] = {
     "drop_ratio": 0.9,
@@ -340,3 +340,12 @@ def test_the_auto_bound_keeps_pulls_sparse_with_many_workers() -> None:
     assert refreshes_in_round_robin(workers, 16) >= (4 - 1) * workers  # the old default: every pull dense
     auto = refreshes_in_round_robin(workers, DgsOptions().staleness_bound(workers))
     assert auto <= workers  # about one dense refresh in every other round
+
+
+def test_dgs_is_registered_as_an_asynchronous_method_with_a_server_process():
+    from compression.registry import build_exchange, is_asynchronous, job_processes
+
+    assert is_asynchronous("dgs") and not is_asynchronous("dense")
+    assert job_processes("dgs", 2) == 3 and job_processes("local_mix", 2) == 2
+    with pytest.raises(ValueError, match="asynchronous trainer"):
+        build_exchange(ExchangeConfig(method="dgs"))

@@ -16,11 +16,14 @@ import torch
 
 from compression import ExchangeStats
 from nmt.config import config_from_dict
+from nmt.training.cadence import Cadence
 from nmt.training.config import ValidConfig
 from nmt.training.distributed import WorkerInfo
 from nmt.training.errors import TrainingDiverged
 from nmt.training.metrics import Limits, Progress
-from nmt.training.trainer import LogInterval, RunState, StepResult, Trainer, inverse_sqrt
+from nmt.training.setup import inverse_sqrt
+from nmt.training.step_records import LogInterval, RunState, StepResult
+from nmt.training.trainer import Trainer
 
 from tiny_corpus import tiny_config_dict
 
@@ -44,7 +47,10 @@ def built(reverse_corpus: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def trainer(built: Trainer, monkeypatch: pytest.MonkeyPatch) -> Trainer:
     """The module's trainer with its own copy of the config and fresh run counters for each test."""
-    monkeypatch.setattr(built, "config", copy.deepcopy(built.config))
+    config = copy.deepcopy(built.config)
+    monkeypatch.setattr(built, "config", config)
+    monkeypatch.setattr(built.evaluator, "config", config)
+    monkeypatch.setattr(built, "cadence", Cadence(config.train, config.valid))
     monkeypatch.setattr(built, "state", RunState())
     return built
 
@@ -190,7 +196,7 @@ def validate_with_losses(
     """Validate once per loss (dev loss scripted, no translation), at steps 10, 20, ..."""
     trainer.config.valid.translate = False
     scripted = iter(losses)
-    monkeypatch.setattr(trainer, "dev_loss", lambda: (next(scripted), 100))
+    monkeypatch.setattr(trainer.evaluator, "dev_loss", lambda src, tgt: (next(scripted), 100))
     outcomes = []
     for i in range(len(losses)):
         trainer.state.step = 10 * (i + 1)
@@ -225,7 +231,8 @@ def test_without_early_stopping_validation_never_stops(trainer: Trainer, monkeyp
 
 def translate_as_refs(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validation 'translates' the dev set into its references (BLEU 100), so only scoring is tested."""
-    monkeypatch.setattr(trainer, "translate_sharded", lambda src, for_test=False: trainer._dev_lines()[1])
+    refs = lambda src, for_test=False: trainer.evaluator.dev_lines()[1]  # noqa: E731
+    monkeypatch.setattr(trainer.evaluator, "translate", refs)
 
 
 def test_validation_logs_the_listed_metrics_and_picks_by_bleu(

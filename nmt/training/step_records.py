@@ -1,0 +1,60 @@
+"""What one synchronous update step returns, and the counters a synchronous run keeps and resumes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compression import ExchangeStats
+from nmt.training.evaluator import ValidationRecord
+from nmt.training.metrics import TokenTotals
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    nll_sum: float
+    tokens: int
+    stop: bool
+    stats: ExchangeStats
+    grad_norm: float
+    exchange_s: float  # wall time of exchange.reduce + after_step
+    validate: bool = False  # some rank's training clock crossed valid.every_train_s: all validate now
+
+
+@dataclass
+class LogInterval(TokenTotals):
+    """Totals over the steps since the last train row of the metrics log."""
+
+    bytes: int = 0
+    exchange_s: float = 0.0
+    seconds: float = 0.0  # in training steps only (validation and checkpoints excluded)
+
+    def add(self, result: StepResult, seconds: float) -> None:
+        self.add_step(result.loss_sum, result.nll_sum, result.tokens)
+        self.bytes += result.stats.bytes_sent
+        self.exchange_s += result.exchange_s
+        self.seconds += seconds
+
+    def summary(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {
+            **self.loss_fields(self.seconds),
+            "bytes_per_step": self.bytes / steps,
+            "exchange_s": self.exchange_s / steps,
+        }
+
+
+@dataclass
+class RunState(ValidationRecord):
+    """Counters that a resumed run must continue from."""
+
+    step: int = 0
+    wall_s: float = 0.0
+    train_s: float = 0.0  # wall time inside training steps: validation, checkpoints and the test excluded
+    last_valid_train_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0  # steps skipped because some rank's loss or gradient was NaN/inf
+    bad_steps_in_row: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
