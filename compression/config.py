@@ -28,6 +28,10 @@ SHARED_OPTION_METHODS: dict[str, tuple[str, ...]] = {
     "quantize_bits": SPARSE_METHODS,
     "dense_fallback": SPARSE_METHODS,
     "sample_seed": (*SPARSE_METHODS, "powersgd"),  # powersgd: the seed of its first Q
+    "hierarchy": ("dropping", "local_mix", "dgc"),  # compression/hierarchy.py
+    "node_size": ("dropping", "local_mix", "dgc"),
+    "overlap": ("dense", "dense_bf16"),  # nmt/training/overlap.py
+    "bucket_mb": ("dense", "dense_bf16"),
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
@@ -210,6 +214,13 @@ class ExchangeConfig:
     dense_fallback: bool = True  # all-reduce instead when a sparse message would not be smaller (warm-up)
     # seed of the threshold sampler's random offsets (rank is mixed in); powersgd: the seed of its first Q's
     sample_seed: int = 0
+    # flat: one sparse exchange over all ranks | node: dense inside a node, sparse between nodes on shards
+    # (compression/hierarchy.py) | auto: node when the job spans several nodes of several ranks
+    hierarchy: str = "flat"
+    node_size: int = 0  # ranks per node for hierarchy node/auto; 0 = ranks per machine (LOCAL_WORLD_SIZE)
+    # dense, dense_bf16: all-reduce buckets of about bucket_mb MiB while backward runs (as DDP does)
+    overlap: bool = False
+    bucket_mb: float = 4.0  # MiB per bucket of exchange.overlap
     local_mix: LocalMixOptions = field(default_factory=LocalMixOptions)
     dgc: DgcOptions = field(default_factory=DgcOptions)
     sbc: SbcOptions = field(default_factory=SbcOptions)
@@ -241,6 +252,12 @@ class ExchangeConfig:
             raise ValueError(f"exchange.quantize_bits must be 0, 1 or 2, got {self.quantize_bits}")
         if self.sample_seed < 0:
             raise ValueError(f"exchange.sample_seed must be >= 0, got {self.sample_seed}")
+        if self.hierarchy not in ("flat", "node", "auto"):
+            raise ValueError(f"exchange.hierarchy must be flat | node | auto, got {self.hierarchy!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"exchange.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.node_size < 0:
+            raise ValueError(f"exchange.node_size must be >= 0 (0 = ranks per machine), got {self.node_size}")
         for section in (self.local_mix, self.dgc, self.sbc, self.dgs, self.powersgd):
             section.validate()
         misplaced = self.options_not_read()

@@ -22,12 +22,26 @@ class DenseAllReduce:
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig()
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # buckets on the wire (exchange.overlap)
+
+    def start_bucket(self, grad: torch.Tensor, ctx: StepContext) -> None:
+        """exchange.overlap: start summing one bucket (a view of the flat gradient); `reduce` finishes it."""
+        if ctx.world_size > 1:
+            self.pending.append(
+                (dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True), grad)
+            )
 
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()
-        dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        flat_grad.div_(ctx.world_size)
+        if self.pending:  # the buckets cover the buffer: wait for each, then average it as below
+            for work, grad in self.pending:
+                work.wait()
+                grad.div_(ctx.world_size)
+            self.pending = []
+        else:
+            dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            flat_grad.div_(ctx.world_size)
         n_bytes = flat_grad.numel() * flat_grad.element_size()
         return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 

@@ -27,14 +27,28 @@ class DenseBf16AllReduce:
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="dense_bf16")
+        self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []  # (exchange.overlap)
+
+    def start_bucket(self, grad: torch.Tensor, ctx: StepContext) -> None:
+        """exchange.overlap: start one bucket (a view of the flat gradient); `reduce` copies the sum back."""
+        if ctx.world_size > 1:
+            payload = grad.div_(ctx.world_size).to(torch.bfloat16)
+            work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
+            self.pending.append((work, grad, payload))
 
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()  # as dense: the local gradient is the average, no rounding
-        payload = flat_grad.div_(ctx.world_size).to(torch.bfloat16)
-        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group)
-        flat_grad.copy_(payload)
-        n_bytes = payload.numel() * payload.element_size()
+        if self.pending:  # the buckets cover the buffer
+            for work, grad, payload in self.pending:
+                work.wait()
+                grad.copy_(payload)
+            self.pending = []
+        else:
+            payload = flat_grad.div_(ctx.world_size).to(torch.bfloat16)
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group)
+            flat_grad.copy_(payload)
+        n_bytes = 2 * flat_grad.numel()
         return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 
     def after_step(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:

@@ -71,4 +71,9 @@ def build_exchange(config: ExchangeConfig) -> GradientExchange:
         raise ValueError(f"exchange.method {config.method} runs in the asynchronous trainer, not in a step")
     if config.method not in _FACTORIES:
         raise unknown_choice("exchange.method", "method", config.method, available_methods())
-    return _FACTORIES[config.method](config)
+    exchange = _FACTORIES[config.method](config)
+    if config.hierarchy == "node":  # made concrete by compression.hierarchy.resolve_hierarchy for the job
+        from compression.hierarchy import NodeHierarchy
+
+        return NodeHierarchy(exchange, config.node_size)
+    return exchange

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from compression import ExchangeStats, StepContext, build_exchange
 from compression.dense import average_parameters, replicas_identical
-from nmt.config import Config, save_config
+from compression.hierarchy import resolve_hierarchy
+from nmt.config import Config, ConfigError, save_config
 from nmt.data.batching import Batch
 from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.cadence import Cadence
@@ -30,6 +31,7 @@ from nmt.training.distributed import WorkerInfo
 from nmt.training.errors import TrainingDiverged
 from nmt.training.evaluator import Evaluator, Shard
 from nmt.training.metrics import Limits, MetricsLog, Progress
+from nmt.training.overlap import BackwardBuckets, OverlapStep
 from nmt.training.saving import RunCheckpoints
 from nmt.training.setup import build_run, lr_factor
 from nmt.training.smoothing import SmoothedWeights
@@ -66,7 +68,13 @@ class Trainer:
                 params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
             )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
-        self.exchange = build_exchange(config.exchange)
+        try:  # exchange.hierarchy auto/node: the node size of this job (compression/hierarchy.py)
+            exchange_config = resolve_hierarchy(config.exchange, info.world_size, info.local_world_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.exchange = build_exchange(exchange_config)
+        overlap = config.exchange.overlap and info.world_size > 1  # exchange.overlap: dense methods only
+        self.buckets = BackwardBuckets(self.flat, int(config.exchange.bucket_mb * 2**20)) if overlap else None
         last_worker = info.rank == info.world_size - 1
         self.straggler_s = train.straggler_ms / 1000.0 if last_worker and info.world_size > 1 else 0.0
         self.smoothed = SmoothedWeights(self.flat, train.ema_decay)
@@ -128,10 +136,14 @@ class Trainer:
         """One optimizer step over `micro_batches` (delayed update); every rank calls it together."""
         self.model.train()
         flat_grad = self.flat.grads
+        touched = self._touched_rows(micro_batches)
+        overlap = self._start_overlap(micro_batches, touched) if self.buckets is not None else None
         loss_sum = torch.zeros((), device=self.device)
         nll_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            if overlap is not None and i == len(micro_batches) - 1:
+                self.buckets.arm(overlap.launch)  # exchange.overlap: buckets leave during this backward
             with self.autocast:
                 logits = self.model(batch.src, batch.tgt_in)
             loss, nll, n_tokens = label_smoothed_cross_entropy(
@@ -142,6 +154,16 @@ class Trainer:
             nll_sum += nll.detach()
             tokens += n_tokens
 
+        stats, exchange_s = ExchangeStats(), 0.0
+        if overlap is not None:  # wait for the buckets still on the wire; the gradient is already scaled
+            self.buckets.flush()
+            started = time.perf_counter()
+            stats = self.exchange.reduce(flat_grad, self.context(touched))
+            exchange_s = time.perf_counter() - started
+            non_finite = overlap.non_finite | ~torch.isfinite(loss_sum)
+        else:  # NaN/inf anywhere in this rank's loss or gradient (a NaN or an inf makes the sum non-finite)
+            non_finite = ~torch.isfinite(loss_sum + flat_grad.sum())
+
         # Global token count, loss and stop vote in one tiny collective: the average over ranks of
         # world_size * grad / global_tokens is exactly the per-token gradient of the union of the batches.
         control = torch.stack(
@@ -151,8 +173,7 @@ class Trainer:
                 nll_sum,
                 torch.tensor(float(stop_vote), device=self.device),
                 torch.tensor(float(validate_vote), device=self.device),
-                # NaN/inf anywhere in this rank's loss or gradient (a NaN or an inf makes the sum non-finite)
-                (~torch.isfinite(loss_sum + flat_grad.sum())).float(),
+                non_finite.float(),
             ]
         )
         if self.info.world_size > 1:
@@ -161,18 +182,15 @@ class Trainer:
         # Every rank skips a step where any rank saw NaN/inf (fp16 overflow, or divergence), all together.
         skip = bad_ranks > 0
         self._count_non_finite(skip)
-        scale = self.info.world_size / max(global_tokens, 1.0)
-        if self.scaler is not None:
-            scale /= self.scaler.get_scale()
-        flat_grad.mul_(scale)
+        if overlap is None:
+            flat_grad.mul_(self._gradient_scale(global_tokens))
 
-        stats = ExchangeStats()
         grad_norm = float("nan")
-        exchange_s = 0.0
         if not skip:
-            started = time.perf_counter()
-            stats = self.exchange.reduce(flat_grad, self.context(self._touched_rows(micro_batches)))
-            exchange_s = time.perf_counter() - started
+            if overlap is None:
+                started = time.perf_counter()
+                stats = self.exchange.reduce(flat_grad, self.context(touched))
+                exchange_s = time.perf_counter() - started
             grad_norm = float(flat_grad.norm())
             clip = self.config.train.clip_norm
             if clip > 0 and grad_norm > clip:
@@ -200,6 +218,23 @@ class Trainer:
             grad_norm,
             exchange_s,
             validate_votes > 0,
+        )
+
+    def _gradient_scale(self, global_tokens: float) -> float:
+        """world_size / global target tokens (and 1 / the fp16 loss scale): rank average = per-token mean."""
+        scale = self.info.world_size / max(global_tokens, 1.0)
+        if self.scaler is not None:
+            scale /= self.scaler.get_scale()
+        return scale
+
+    def _start_overlap(self, micro_batches: list[Batch], touched: dict[str, torch.Tensor]) -> OverlapStep:
+        """exchange.overlap: the global token count before backward (one tiny all-reduce), so that each
+        bucket can be scaled exactly as the whole buffer is without overlap, then sent."""
+        step_tokens = sum(int(b.tgt_out.ne(self.model.pad_id).sum()) for b in micro_batches)
+        total = torch.tensor([float(step_tokens)], device=self.device)
+        dist.all_reduce(total, group=self.group)
+        return OverlapStep(
+            self.flat.grads, self._gradient_scale(float(total.item())), self.exchange, self.context(touched)
         )
 
     def _count_non_finite(self, skip: bool) -> None:
@@ -347,6 +382,8 @@ class Trainer:
         """Close the TensorBoard writer and train.log (the run's files stay as they are)."""
         self.metrics.close()
         self.setup.close()
+        if self.buckets is not None:
+            self.buckets.close()
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (one tiny collective)."""

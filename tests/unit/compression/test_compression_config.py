@@ -38,6 +38,10 @@ EXAMPLES: dict[str, object] = {
     "quantize_bits": 2,
     "dense_fallback": False,
     "sample_seed": 3,
+    "hierarchy": "node",
+    "node_size": 2,
+    "overlap": True,
+    "bucket_mb": 8.0,
     "local_mix.local_mode": "sum",
     "local_mix.average_every": 7,
     "dgc.momentum": 0.5,
@@ -172,8 +176,9 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
 
 
 def test_shared_options_table() -> None:
-    """Who reads what (documented in compression/config.py): the dropping family everything; dgc no
-    embedding rows; dgs no dense vectors nor embedding rows; powersgd only the seed; dense and sbc none."""
+    """Who reads what (documented in compression/config.py): the dropping family everything but the dense
+    overlap; dgc no embedding rows; dgs no dense vectors, embedding rows or hierarchy; powersgd only the seed;
+    dense and dense_bf16 only the overlap; sbc none."""
     readers = {key: set(methods) for key, methods in SHARED_OPTION_METHODS.items()}
     assert {m for methods in readers.values() for m in methods} == {
         "dropping",
@@ -181,8 +186,13 @@ def test_shared_options_table() -> None:
         "dgc",
         "dgs",
         "powersgd",
+        "dense",
+        "dense_bf16",
     }
-    assert all({"dropping", "local_mix"} <= methods for methods in readers.values())
+    overlap = {"overlap", "bucket_mb"}
+    assert all(readers[key] == {"dense", "dense_bf16"} for key in overlap)
+    assert all({"dropping", "local_mix"} <= methods for key, methods in readers.items() if key not in overlap)
+    assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
     assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc"}
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
