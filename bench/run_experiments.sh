@@ -131,6 +131,17 @@ time-to-bleu)
   # Issue 12: every method for the same training time on the test bed (hours; resumable, rerun to continue).
   $PY bench/time_to_bleu.py --out-dir models/time-to-bleu --budget-s "${BUDGET_S:-1200}" --every-s 120
   ;;
+overlap|all)
+  # exchange.overlap: dense step time at 1 Gbit/s, 2 bed hosts, without / with / without overlap, in one run
+  rm -f docs/netbed-overlap.jsonl
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 40 \
+    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run dense exchange.method=dense \
+    --run dense-overlap exchange.method=dense exchange.overlap=true --run dense-again exchange.method=dense \
+    --json docs/netbed-overlap.jsonl --out docs/netbed-overlap.md
+  ;;&
+exchange-model|all)
+  $PY bench/exchange_model.py --out docs/plots/exchange-model
+  ;;&
 multinode|all)
   # Issue 3: two bed hosts, each its own torchrun agent (c10d rendezvous over the 1 Gbit/s bridge).
   rm -rf models/netbed-multinode
