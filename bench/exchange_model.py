@@ -21,14 +21,17 @@ Per step, for a model of n fp32 parameters (B = 4n bytes), on the inter-node lin
         e = 8: 100 nodes at 1%, 1,000 at 0.1%.
     PowerSGD rank r: a dense all-reduce of its factors (P: m x r, Q: k x r per matrix) and of the 1-D
         parameters, in two rounds of all-reduces.
-Time = inter bytes / (efficiency * inter_bps) + rounds * latency + intra-node time + compute (selection,
-packing, decoding; per parameter, by method family).
+Time = inter bytes / (efficiency * inter_bps) + rounds * latency + intra-node time + compute: per parameter,
+by method family (selection passes over the gradient, a cast, a factorisation), plus for the sparse methods a
+cost per entry packed or decoded (P messages of density * n entries each in a flat all-gather; N messages of
+the rank's 1/L shard in the hierarchical form), which is what grows with the density and the job.
 
 Calibration (`calibrate`): on the bed, efficiency (the share of the shaped rate that gloo over TCP achieves),
-the latency of a message round, and one per-parameter compute cost per method family are fitted by least
-squares to measured exchange seconds per step (docs/netbed-train-dense.jsonl, docs/netbed-train-methods.jsonl,
-docs/plots/time-to-bleu/points-*.jsonl, its `timing` rows); the error is reported per point, in-sample
-and leave-one-out.
+the latency of a message round, one per-parameter compute cost per method family and the sparse cost per
+entry are fitted by least squares to measured exchange seconds per step (docs/netbed-train-dense.jsonl,
+docs/netbed-train-methods.jsonl, docs/netbed-train-sparse.jsonl (2 and 4 hosts),
+docs/plots/time-to-bleu/points-*.jsonl, its `timing` rows); the error is reported per point, in-sample and
+leave-one-out.
 
     python bench/exchange_model.py --out docs/plots/exchange-model      # calibration, table, plot
 """
@@ -51,6 +54,7 @@ ENTRY_BYTES = 8  # int32 index + fp32 value
 CALIBRATION_FILES = (
     "docs/netbed-train-dense.jsonl",
     "docs/netbed-train-methods.jsonl",
+    "docs/netbed-train-sparse.jsonl",
     "docs/plots/time-to-bleu/points-100mbit.jsonl",
     "docs/plots/time-to-bleu/points-1gbit.jsonl",
 )
@@ -120,6 +124,16 @@ def sparse_allgather_flat(message_bytes: float, fab: Fabric) -> Cost:
     return Cost(_inter(inter, rounds, fab), inter, rounds)
 
 
+def sparse_entries_flat(n_params: int, density: float, fab: Fabric) -> float:
+    """Entries one rank packs or decodes per step in a flat all-gather: its own message and every other's."""
+    return fab.ranks * density * n_params
+
+
+def sparse_entries_hierarchical(n_params: int, density: float, fab: Fabric) -> float:
+    """The same in the sharded hierarchical form: the N nodes' messages of the rank's 1/L shard."""
+    return fab.nodes * density * n_params / fab.ranks_per_node
+
+
 def sparse_hierarchical(n_params: int, density: float, fab: Fabric, entry_bytes: int = ENTRY_BYTES) -> Cost:
     """Dense inside the node, sharded sparse all-gather between nodes, dense all-gather inside again."""
     N = fab.nodes
@@ -166,6 +180,7 @@ class Calibration:
     efficiency: float = 1.0
     latency_s: float = 0.0
     compute_s_per_param: dict[str, float] = field(default_factory=dict)
+    sparse_s_per_entry: float = 0.0  # packing and decoding, per entry of every rank's message
 
 
 @dataclass(frozen=True)
@@ -183,6 +198,11 @@ class Measured:
     def collective(self) -> str:
         return "allreduce" if family(self.method) in ("dense", "bf16", "powersgd") else "allgather"
 
+    def entries(self) -> float:
+        """Sparse entries this rank packs or decodes per step: its own message and the other hosts'
+        (about payload / 8 bytes each; 0 for the dense families)."""
+        return self.hosts * self.payload_bytes / ENTRY_BYTES if family(self.method) == "sparse" else 0.0
+
     def wire_and_rounds(self) -> tuple[float, int]:
         """Bytes per host on its link and sequential rounds (one rank per host: L = 1)."""
         P = self.hosts
@@ -194,11 +214,13 @@ class Measured:
 def predict_bed(point: Measured, cal: Calibration) -> float:
     wire, rounds = point.wire_and_rounds()
     compute = cal.compute_s_per_param.get(family(point.method), 0.0) * point.n_params
+    compute += cal.sparse_s_per_entry * point.entries()
     return wire * 8 / (cal.efficiency * BED_LINKS[point.link]) + rounds * cal.latency_s + compute
 
 
 def calibrate(points: list[Measured]) -> Calibration:
-    """Least squares on exchange_s = wire*8/bw * (1/efficiency) + rounds * latency + n * c[family]."""
+    """Least squares on exchange_s = wire*8/bw * (1/efficiency) + rounds * latency + n * c[family]
+    + entries * c_entry (sparse)."""
     families = sorted({family(p.method) for p in points})
     rows, target = [], []
     for p in points:
@@ -206,6 +228,7 @@ def calibrate(points: list[Measured]) -> Calibration:
         rows.append(
             [wire * 8 / BED_LINKS[p.link], float(rounds)]
             + [p.n_params * (family(p.method) == f) for f in families]
+            + [p.entries()]
         )
         target.append(p.exchange_s)
     a = torch.tensor(rows, dtype=torch.float64)
@@ -217,7 +240,8 @@ def calibrate(points: list[Measured]) -> Calibration:
     return Calibration(
         efficiency=1.0 / inverse_efficiency,
         latency_s=float(x[1]),
-        compute_s_per_param={f: float(v) for f, v in zip(families, x[2:].tolist())},
+        compute_s_per_param={f: float(v) for f, v in zip(families, x[2:-1].tolist())},
+        sparse_s_per_entry=float(x[-1]),
     )
 
 
@@ -235,6 +259,8 @@ def load_points(paths: Iterable[Path], n_params: int) -> list[Measured]:
             )
             if link not in BED_LINKS or row.get("ok") is False or not exchange_s:
                 continue
+            if row.get("procs_per_host", 1) != 1:
+                continue  # the bed formulas count one rank per host
             points.append(
                 Measured(
                     row.get("run") or row["method"],
@@ -288,7 +314,8 @@ class ClusterAssumptions:
     intra_bps: float = 1200 * GBIT  # ~150 GB/s effective per GPU inside a node (NVLink class)
     inter_latency_s: float = 5e-6
     efficiency: float = 0.9  # RDMA transports get close to the line rate
-    select_s_per_param: float = 1e-11  # threshold + gather + decode, ~3 passes over fp32 at ~1.5 TB/s
+    select_s_per_param: float = 1e-11  # threshold + compaction, ~3 passes over fp32 at ~1.5 TB/s
+    decode_s_per_entry: float = 5e-11  # packing + scatter-add of (index, value) pairs, ~20 G entries/s
 
 
 def project(
@@ -303,13 +330,16 @@ def project(
         efficiency=how.efficiency,
     )
     n = model.n_params
-    select = how.select_s_per_param * n
     flat = sparse_allgather_flat(density * n * ENTRY_BYTES, fab)
     hier = sparse_hierarchical(n, density, fab)
+    flat_compute = how.select_s_per_param * n + how.decode_s_per_entry * sparse_entries_flat(n, density, fab)
+    # each local rank selects in its 1/L shard of the node's summed gradient
+    hier_compute = how.select_s_per_param * n / fab.ranks_per_node
+    hier_compute += how.decode_s_per_entry * sparse_entries_hierarchical(n, density, fab)
     return {
         "dense ring": dense_allreduce(4.0 * n, fab),
-        "flat sparse": replace(flat, seconds=flat.seconds + select),
-        "hierarchical sparse": replace(hier, seconds=hier.seconds + select),
+        "flat sparse": replace(flat, seconds=flat.seconds + flat_compute),
+        "hierarchical sparse": replace(hier, seconds=hier.seconds + hier_compute),
         "PowerSGD r4": dense_allreduce(model.powersgd_payload(4), fab, collectives=2),
     }
 
@@ -378,7 +408,8 @@ def _markdown(cal: Calibration, cal_rows: list[dict], rows: list[dict], cross: l
         "",
         f"efficiency {cal.efficiency:.3f}, latency per round {cal.latency_s * 1e3:.2f} ms, "
         "compute per parameter: "
-        + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in sorted(cal.compute_s_per_param.items())),
+        + ", ".join(f"{f} {v * 1e9:.2f} ns" for f, v in sorted(cal.compute_s_per_param.items()))
+        + f"; sparse per entry packed or decoded {cal.sparse_s_per_entry * 1e9:.1f} ns",
         "",
         "| method | hosts | link | measured s | predicted s | error | left out: predicted s | error |",
         "|---|---|---|---|---|---|---|---|",

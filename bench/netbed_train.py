@@ -2,7 +2,8 @@
 
 Why: the collective microbenchmark (bench/allreduce_bench.py) says what the wire costs; this says what a
 whole training step costs when the gradient exchange crosses a link of 1 Gbit/s or 100 Mbit/s, for each
-exchange method, with every rank in its own network namespace (one process per host, gloo).
+exchange method, with every host in its own network namespace (one worker per host, gloo; or several with
+--procs-per-host, which then talk over the host's unshaped loopback, as the GPUs of one node would).
 
     python bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 \\
         --bandwidth unlimited 1gbit 100mbit --steps 30 \\
@@ -61,9 +62,15 @@ def run_once(
     ]
     with NetBed(hosts=hosts, bandwidth=bandwidth) as bed:
         result = bed.run(
-            "OMP_NUM_THREADS=1 " + shlex.join(command), timeout=args.timeout, cwd=ROOT, echo="none"
+            "OMP_NUM_THREADS=1 " + shlex.join(command),
+            procs_per_host=args.procs_per_host,
+            timeout=args.timeout,
+            cwd=ROOT,
+            echo="none",
         )
     row: dict = {"run": name, "hosts": hosts, "bandwidth": bandwidth, "ok": result.ok, "overrides": overrides}
+    if args.procs_per_host > 1:
+        row["procs_per_host"] = args.procs_per_host
     if not result.ok:
         row["error"] = f"failed (logs: {result.log_dir})"
         return row
@@ -118,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, nargs="+", default=[2])
     p.add_argument("--bandwidth", nargs="+", default=["unlimited", "1gbit", "100mbit"])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--procs-per-host",
+        type=int,
+        default=1,
+        help="workers per host (LOCAL_WORLD_SIZE: a 'node' of several ranks, e.g. for exchange.hierarchy)",
+    )
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument(
         "--run",

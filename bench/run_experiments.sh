@@ -139,6 +139,35 @@ overlap|all)
     --run dense-overlap exchange.method=dense exchange.overlap=true --run dense-again exchange.method=dense \
     --json docs/netbed-overlap.jsonl --out docs/netbed-overlap.md
   ;;&
+overlap-sparse|all)
+  # exchange.overlap for local_mix 99% with layer thresholds: step time at 100 Mbit/s, 2 bed hosts, in one run
+  rm -f docs/netbed-overlap-sparse.jsonl
+  LAYER="exchange.method=local_mix exchange.threshold=layer exchange.warmup_steps=0"
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 100mbit --steps 40 \
+    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run local_mix-layer $LAYER \
+    --run local_mix-layer-overlap $LAYER exchange.overlap=true --run local_mix-layer-again $LAYER \
+    --json docs/netbed-overlap-sparse.jsonl --out docs/netbed-overlap-sparse.md
+  ;;&
+netbed-sparse|all)
+  # Cost-model calibration: sparse step exchange time on 2 and 4 bed hosts at 100 Mbit/s and 1 Gbit/s
+  # (warm-up off, so every step is sparse; 4 hosts share the 2 cores, so compute per step doubles).
+  rm -f docs/netbed-train-sparse.jsonl
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 --bandwidth 100mbit 1gbit --steps 15 \
+    --vocab models/time-to-bleu/spm.model --common train.threads=1 data.batch_tokens=1500 exchange.warmup_steps=0 \
+    --run dropping-99 exchange.method=dropping --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
+    --run local_mix-99 exchange.method=local_mix \
+    --json docs/netbed-train-sparse.jsonl --out docs/netbed-train-sparse.md
+  ;;&
+netbed-hierarchy|all)
+  # exchange.hierarchy: 2 bed hosts of 2 workers each (loopback inside a host), dropping 99% at 100 Mbit/s,
+  # flat against node (dense inside the host, sparse shards between the hosts), in one run
+  rm -f docs/netbed-hierarchy.jsonl
+  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --procs-per-host 2 --bandwidth 100mbit \
+    --steps 15 --vocab models/time-to-bleu/spm.model \
+    --common train.threads=1 exchange.method=dropping exchange.warmup_steps=0 \
+    --run flat exchange.hierarchy=flat --run node exchange.hierarchy=node --run flat-again exchange.hierarchy=flat \
+    --json docs/netbed-hierarchy.jsonl --out docs/netbed-hierarchy.md
+  ;;&
 exchange-model|all)
   $PY bench/exchange_model.py --out docs/plots/exchange-model
   ;;&

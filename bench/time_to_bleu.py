@@ -10,6 +10,9 @@ the dense baselines a user would run instead (fp32 all-reduce, bf16 all-reduce, 
   - at the end, beam-5 test BLEU on all test verses with the best checkpoint (the trainer's test row);
   - every method starts from the same warm-up rules (the recipe's lr warm-up; the sparse methods' drop-ratio
     warm-up over 50 steps, exchange.warmup_steps=50).
+Two references run without the bed: `loopback` (the same 2 workers on one host, dense fp32 over the unshaped
+loopback: what the pair reaches when the network costs nothing) and `single-host` (1 worker, no exchange:
+what one node reaches alone, for scaling).
 Output (under --out-dir): points.jsonl (one row per validation point of every run), summary.json, table.md
 and two PNG plots per link (dev BLEU against training time, and against bytes sent per worker).
 
@@ -66,7 +69,9 @@ LINKS = {
     "100mbit": [m.name for m in METHODS],
     "1gbit": ["dense-fp32", "powersgd", "local_mix-99"],
 }
-SINGLE = "single-host"  # 1 host, no exchange: what one node reaches alone
+SINGLE = "single-host"  # 1 host, 1 worker, no exchange: what one node reaches alone
+LOOPBACK = "loopback"  # the 2 workers on one host, no link limit: the pair when the network is free
+UNSHAPED = (SINGLE, LOOPBACK)  # run without the bed
 
 
 def run_dir(out: Path, method: str, link: str) -> Path:
@@ -134,7 +139,7 @@ def run_one(args: argparse.Namespace, method: Method, link: str) -> None:
         return
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    if link == SINGLE:
+    if link in UNSHAPED:
         import subprocess
 
         done = subprocess.run(command, cwd=ROOT, env={**_env(), "OMP_NUM_THREADS": "1"})
@@ -302,7 +307,8 @@ def plots(summary: dict, out: Path) -> list[Path]:
                 ax.set_xscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel("dev BLEU (greedy, fixed dev subset)")
-            ax.set_title(f"Bible es-en, 2 workers, link {link}")
+            workers = "1 worker" if link == SINGLE else "2 workers"
+            ax.set_title(f"Bible es-en, {workers}, link {link}")
             ax.legend(fontsize=7)
             fig.tight_layout()
             path = out / f"bleu_vs_{suffix}_{link}.png"
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=1200, help="training seconds per run")
     parser.add_argument("--every-s", type=float, default=120, help="training seconds between dev points")
     parser.add_argument("--dev-sentences", type=int, default=300)
-    parser.add_argument("--links", nargs="+", default=["100mbit", "1gbit", SINGLE])
+    parser.add_argument("--links", nargs="+", default=["100mbit", "1gbit", LOOPBACK, SINGLE])
     parser.add_argument("--methods", nargs="+", help="only these methods (default: the link's grid)")
     parser.add_argument("--common", nargs="*", default=[], help="overrides for every run")
     parser.add_argument("--dry-run", action="store_true")
@@ -345,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_vocabulary(args)
         by_name = {m.name: m for m in METHODS}
         for link in args.links:
-            if link == SINGLE:
+            if link in UNSHAPED:
                 names = ["dense-fp32"]
             else:
                 names = LINKS.get(link, [m.name for m in METHODS])
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 method = by_name[name]
                 if link == SINGLE:
-                    method = Method(SINGLE, ("exchange.method=dense",))
+                    method = Method(SINGLE, ("exchange.method=dense", "train.workers=1"))
                 run_one(args, method, link)
     if not args.dry_run:
         report(args.out_dir)

@@ -30,8 +30,9 @@ SHARED_OPTION_METHODS: dict[str, tuple[str, ...]] = {
     "sample_seed": (*SPARSE_METHODS, "powersgd"),  # powersgd: the seed of its first Q
     "hierarchy": ("dropping", "local_mix", "dgc"),  # compression/hierarchy.py
     "node_size": ("dropping", "local_mix", "dgc"),
-    "overlap": ("dense", "dense_bf16"),  # nmt/training/overlap.py
-    "bucket_mb": ("dense", "dense_bf16"),
+    # nmt/training/overlap.py; dropping and local_mix with exchange.threshold: layer only
+    "overlap": ("dense", "dense_bf16", "dropping", "local_mix"),
+    "bucket_mb": ("dense", "dense_bf16", "dropping", "local_mix"),
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
@@ -218,7 +219,8 @@ class ExchangeConfig:
     # (compression/hierarchy.py) | auto: node when the job spans several nodes of several ranks
     hierarchy: str = "flat"
     node_size: int = 0  # ranks per node for hierarchy node/auto; 0 = ranks per machine (LOCAL_WORLD_SIZE)
-    # dense, dense_bf16: all-reduce buckets of about bucket_mb MiB while backward runs (as DDP does)
+    # exchange buckets of about bucket_mb MiB while backward runs, as DDP does: dense, dense_bf16, and
+    # dropping and local_mix with threshold: layer (a sparse round per bucket; compression/sparse_buckets.py)
     overlap: bool = False
     bucket_mb: float = 4.0  # MiB per bucket of exchange.overlap
     local_mix: LocalMixOptions = field(default_factory=LocalMixOptions)
@@ -258,6 +260,17 @@ class ExchangeConfig:
             raise ValueError(f"exchange.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.node_size < 0:
             raise ValueError(f"exchange.node_size must be >= 0 (0 = ranks per machine), got {self.node_size}")
+        if self.overlap and self.method in ("dropping", "local_mix") and self.threshold != "layer":
+            raise ValueError(
+                f"exchange.overlap with {self.method} needs exchange.threshold: layer (a global threshold "
+                "needs the whole gradient before any bucket can leave); set exchange.threshold=layer or "
+                "exchange.overlap=false"
+            )
+        if self.overlap and self.hierarchy == "node":
+            raise ValueError(
+                "exchange.overlap: the hierarchical exchange (exchange.hierarchy node) runs after backward "
+                "only; set exchange.overlap=false or exchange.hierarchy=flat"
+            )
         for section in (self.local_mix, self.dgc, self.sbc, self.dgs, self.powersgd):
             section.validate()
         misplaced = self.options_not_read()

@@ -24,12 +24,18 @@ class DenseAllReduce:
         self.config = config or ExchangeConfig()
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # buckets on the wire (exchange.overlap)
 
-    def start_bucket(self, grad: torch.Tensor, ctx: StepContext) -> None:
-        """exchange.overlap: start summing one bucket (a view of the flat gradient); `reduce` finishes it."""
+    def start_bucket(self, flat_grad: torch.Tensor, start: int, end: int, ctx: StepContext) -> None:
+        """exchange.overlap: start summing flat_grad[start:end]; `reduce` finishes it."""
+        grad = flat_grad[start:end]
         if ctx.world_size > 1:
             self.pending.append(
                 (dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True), grad)
             )
+
+    def drop_buckets(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
 
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:

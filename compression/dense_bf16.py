@@ -29,12 +29,18 @@ class DenseBf16AllReduce:
         self.config = config or ExchangeConfig(method="dense_bf16")
         self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []  # (exchange.overlap)
 
-    def start_bucket(self, grad: torch.Tensor, ctx: StepContext) -> None:
-        """exchange.overlap: start one bucket (a view of the flat gradient); `reduce` copies the sum back."""
+    def start_bucket(self, flat_grad: torch.Tensor, start: int, end: int, ctx: StepContext) -> None:
+        """exchange.overlap: start flat_grad[start:end]; `reduce` copies the sum back."""
+        grad = flat_grad[start:end]
         if ctx.world_size > 1:
             payload = grad.div_(ctx.world_size).to(torch.bfloat16)
             work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
             self.pending.append((work, grad, payload))
+
+    def drop_buckets(self) -> None:
+        for work, _, _ in self.pending:
+            work.wait()
+        self.pending = []
 
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:

@@ -25,7 +25,8 @@ from compression.lossless import average_dense_part, average_embedding_rows
 from compression.partition import BufferPartition
 from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
-from compression.sparsify import SparseRound, ThresholdSparsifier
+from compression.sparse_buckets import BucketRounds
+from compression.sparsify import SparseRound, ThresholdSparsifier, merge_rounds
 
 
 def warmup_density(drop_ratio: float, warmup_steps: int, step: int) -> float:
@@ -46,6 +47,17 @@ class ResidualState:
         self.step = 0
         self.residual: Tensor | None = None
         self.partition: BufferPartition | None = None
+        self.buckets = BucketRounds()  # exchange.overlap (compression/sparse_buckets.py)
+
+    def density(self) -> float:
+        """This step's density (with the drop-ratio warm-up)."""
+        return warmup_density(self.config.drop_ratio, self.config.warmup_steps, self.step)
+
+    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
+        """exchange.overlap: start the sparse round of flat_grad[start:end]; the next reduce ends it."""
+        part = self.prepare(flat_grad, ctx)
+        assert self.residual is not None
+        self.buckets.start(self.sparsifier, self.residual, part, flat_grad, (start, end), self.density(), ctx)
 
     def prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -128,15 +140,19 @@ def reduce_with_residual(
     bytes_rows, values_rows, received_rows = average_embedding_rows(flat_grad, part, ctx)
     acc = state.residual
     assert acc is not None
-    part.sparse.add_from(acc, flat_grad)  # acc = g + e
-    density = warmup_density(state.config.drop_ratio, state.config.warmup_steps, state.step)
-    rnd = state.sparsifier.run(acc, density, part, ctx)  # acc is now the residual
+    if state.buckets.pending:  # exchange.overlap: one round per bucket, started during backward
+        rounds = state.buckets.finish(state.sparsifier, acc)
+    else:
+        part.sparse.add_from(acc, flat_grad)  # acc = g + e
+        rounds = [state.sparsifier.run(acc, state.density(), part, ctx)]  # acc is now the residual
     if local_mode is None:
         part.sparse.fill(flat_grad, 0.0)
     else:
         part.sparse.scale(flat_grad, 1.0 / p)
-    rnd.add_into(flat_grad, 1.0 / p, exclude_own=local_mode == "replace")
+    for rnd in rounds:
+        rnd.add_into(flat_grad, 1.0 / p, exclude_own=local_mode == "replace")
     state.step += 1
+    rnd = merge_rounds(rounds, part)
     stats = exchange_stats(rnd, flat_grad.numel(), bytes_dense, bytes_rows, values_rows, part.dense.numel)
     stats.bytes_received += received_rows
     return stats
@@ -155,6 +171,12 @@ class GradientDropping:
 
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         return reduce_with_residual(self.state, flat_grad, ctx, local_mode=None)
+
+    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
+        self.state.start_bucket(flat_grad, start, end, ctx)
+
+    def drop_buckets(self) -> None:
+        self.state.buckets.drop()
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         return ExchangeStats()

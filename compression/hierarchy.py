@@ -73,6 +73,11 @@ def resolve_hierarchy(config: ExchangeConfig, world_size: int, ranks_per_machine
         )
     if config.hierarchy == "auto" and (size == 1 or world_size == size):
         return dataclasses.replace(config, hierarchy="flat")
+    if config.overlap:
+        raise ValueError(
+            f"exchange.overlap: the hierarchical exchange (exchange.hierarchy {config.hierarchy}, nodes of "
+            f"{size} ranks) runs after backward only; set exchange.overlap=false or exchange.hierarchy=flat"
+        )
     return dataclasses.replace(config, hierarchy="node", node_size=size)
 
 

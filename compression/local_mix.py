@@ -46,6 +46,12 @@ class LocalMix:
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         return reduce_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mix.local_mode)
 
+    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
+        self.state.start_bucket(flat_grad, start, end, ctx)
+
+    def drop_buckets(self) -> None:
+        self.state.buckets.drop()
+
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         self.steps_since_average += 1
         if self.state.step > 0 and self.state.step % self.config.local_mix.average_every == 0:

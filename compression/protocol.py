@@ -108,3 +108,19 @@ class GradientExchange(Protocol):
         ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class OverlappedExchange(Protocol):
+    """A method that can start its exchange bucket by bucket while backward runs (`exchange.overlap`):
+    dense, dense_bf16, and dropping and local_mix with layer thresholds (nmt/training/overlap.py)."""
+
+    def start_bucket(self, flat_grad: torch.Tensor, start: int, end: int, ctx: StepContext) -> None:
+        """Start exchanging flat_grad[start:end] (final and scaled); the next `reduce` finishes every bucket
+        started since the last one and must give what a `reduce` without buckets would."""
+        ...
+
+    def drop_buckets(self) -> None:
+        """A skipped step (NaN/inf on some rank): wait for the started buckets and forget them; no state
+        (residuals, counters) may change."""
+        ...

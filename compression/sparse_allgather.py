@@ -45,6 +45,18 @@ def all_gather_words(message: Tensor, world_size: int, group: dist.ProcessGroup 
     return out.view(world_size, message.numel())
 
 
+def start_all_gather_words(
+    message: Tensor, world_size: int, group: dist.ProcessGroup | None
+) -> tuple[Tensor, dist.Work | None]:
+    """As all_gather_words, without waiting: the [world_size, numel] result is valid once the returned work
+    (None with one rank) has been waited for (exchange.overlap: a bucket's messages leave during backward)."""
+    if world_size == 1:
+        return message.unsqueeze(0), None
+    out = message.new_empty(world_size * message.numel())
+    work = _all_gather_single(out, message.contiguous(), group=group, async_op=True)
+    return out.view(world_size, message.numel()), work
+
+
 def _words(n_bytes: int) -> int:
     return (n_bytes + 3) // 4
 

@@ -27,7 +27,7 @@ from compression.config import ExchangeConfig
 from compression.partition import BufferPartition
 from compression.protocol import StepContext
 from compression.quantize import quantize
-from compression.sparse_allgather import GatheredMessages, SparseAllGather, all_gather_words
+from compression.sparse_allgather import GatheredMessages, SparseAllGather, start_all_gather_words
 from kernels import (
     exact_threshold,
     sampled_threshold,
@@ -86,6 +86,36 @@ class SparseRound:
             buffer.index_fill_(0, self.own_indices, 0.0)
 
 
+def merge_rounds(rounds: list[SparseRound], partition: BufferPartition) -> SparseRound:
+    """One summary of several rounds of one step (exchange.overlap: one per bucket), for the step's stats:
+    counts, capacities and bytes add up; the threshold is their mean; dense if any round fell back."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = SparseRound(partition=partition, rank=rounds[0].rank if rounds else 0, density_target=0.0)
+    for rnd in rounds:
+        merged.density_target = rnd.density_target
+        merged.capacity += rnd.capacity
+        merged.count += rnd.count
+        merged.selected += rnd.selected
+        merged.bytes_sent += rnd.bytes_sent
+        merged.bytes_received += rnd.bytes_received
+        merged.dense |= rnd.dense
+    merged.threshold = sum(r.threshold for r in rounds) / max(1, len(rounds))
+    return merged
+
+
+@dataclass
+class PendingRound:
+    """A round whose collective is still running (ThresholdSparsifier.start); `finish` completes it."""
+
+    round: SparseRound
+    work: dist.Work | None = None
+    gathered: Tensor | None = None  # [P, words] once `work` is done (sparse rounds)
+    wire: SparseAllGather | None = None
+    layer: bool = False  # per-span quantizer groups
+    accumulator: Tensor | None = None  # dense fallback: the accumulator being all-reduced in place
+
+
 class ThresholdSparsifier:
     """Runs sparse rounds with an ExchangeConfig's options (threshold, estimator, capacity, quantization).
 
@@ -97,7 +127,7 @@ class ThresholdSparsifier:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(config.sample_seed)
         self._seeded_for_rank: int | None = None
-        self._wire: SparseAllGather | None = None
+        self._wires: dict[int, SparseAllGather] = {}  # by quantizer group count
 
     # -- state -----------------------------------------------------------------------------------------------
     def seed_for_rank(self, rank: int) -> None:
@@ -115,19 +145,24 @@ class ThresholdSparsifier:
 
     # -- one round -------------------------------------------------------------------------------------------
     def wire(self, partition: BufferPartition) -> SparseAllGather:
-        if self._wire is None:
-            groups = partition.num_segments if self.config.threshold == "layer" else 1
-            self._wire = SparseAllGather(bits=self.config.quantize_bits, num_groups=max(1, groups))
-        return self._wire
+        """The message format for `partition` (one quantizer group per span with layer thresholds; under
+        exchange.overlap a bucket's partition has fewer spans than the whole buffer's: one wire per count)."""
+        groups = max(1, partition.num_segments if self.config.threshold == "layer" else 1)
+        if groups not in self._wires:
+            self._wires[groups] = SparseAllGather(bits=self.config.quantize_bits, num_groups=groups)
+        return self._wires[groups]
 
     def capacity(self, density: float, n: int) -> int:
         return min(n, max(1, math.ceil(self.config.capacity_factor * density * n * (1.0 - 1e-12))))
 
-    def threshold(self, acc: Tensor, density: float, partition: BufferPartition) -> Tensor:
+    def threshold(
+        self, acc: Tensor, density: float, partition: BufferPartition, sample_size: int | None = None
+    ) -> Tensor:
         """tau (0-dim) or per-span taus [S]; 0 at density 1 (then every nonzero entry passes)."""
         layer = self.config.threshold == "layer"
         exact = self.config.threshold_estimator == "exact"
         offsets = partition.segment_offsets
+        samples = sample_size or self.config.sample_size
         if density >= 1.0:
             return torch.zeros(
                 partition.num_segments if layer else (), dtype=torch.float32, device=acc.device
@@ -135,14 +170,27 @@ class ThresholdSparsifier:
         if not layer:
             if exact:
                 return exact_threshold(acc, density)
-            return sampled_threshold(acc, density, self.config.sample_size, self.generator)
+            return sampled_threshold(acc, density, samples, self.generator)
         if exact:
             taus = [exact_threshold(acc[int(a) : int(b)], density) for a, b in zip(offsets[:-1], offsets[1:])]
             return torch.stack(taus).to(torch.float32)
-        return segmented_sampled_threshold(acc, offsets, density, self.config.sample_size, self.generator)
+        return segmented_sampled_threshold(acc, offsets, density, samples, self.generator)
 
     def run(self, acc: Tensor, density: float, partition: BufferPartition, ctx: StepContext) -> SparseRound:
         """One round on the accumulator `acc` (modified in place into the residual)."""
+        return self.finish(self.start(acc, density, partition, ctx))
+
+    def start(
+        self,
+        acc: Tensor,
+        density: float,
+        partition: BufferPartition,
+        ctx: StepContext,
+        sample_size: int | None = None,
+    ) -> PendingRound:
+        """The round up to its collective, which is left running: select, pack, start the all-gather.
+        `acc` is the residual once this returns; `finish` waits and decodes (exchange.overlap runs one
+        round per bucket this way, while backward goes on). `sample_size` overrides the sampler's budget."""
         self.seed_for_rank(ctx.rank)
         n = acc.numel()
         rnd = SparseRound(partition=partition, rank=ctx.rank, density_target=density)
@@ -150,15 +198,15 @@ class ThresholdSparsifier:
             rnd.gathered = GatheredMessages(
                 acc.new_zeros(0, dtype=torch.int64), acc.new_zeros(0), [0] * ctx.world_size
             )
-            return rnd
+            return PendingRound(rnd)
         wire = self.wire(partition)
         cap = self.capacity(density, n)
         rnd.capacity = cap
         if self.config.dense_fallback and wire.payload_bytes(cap) >= n * FP32_BYTES:
-            return self._run_dense(acc, rnd, ctx)
+            return self._start_dense(acc, rnd, ctx)
 
         layer = self.config.threshold == "layer"
-        tau = self.threshold(acc, density, partition)
+        tau = self.threshold(acc, density, partition, sample_size)
         msg = sparse_gather(acc, tau, cap, partition.segment_offsets if layer else None)
         rnd.count, rnd.selected = msg.count, msg.selected
         rnd.threshold = float(tau.float().mean()) if tau.numel() else 0.0
@@ -174,25 +222,42 @@ class ThresholdSparsifier:
             message = wire.pack(flat_idx, q, cap)
         else:
             message = wire.pack(flat_idx, values, cap)
-        gathered = all_gather_words(message, ctx.world_size, ctx.group)
-        group_of = partition.flat_to_segment if layer else (lambda idx: torch.zeros_like(idx))
-        rnd.gathered = wire.unpack(gathered, cap, group_of)
+        gathered, work = start_all_gather_words(message, ctx.world_size, ctx.group)
         rnd.bytes_sent = wire.payload_bytes(msg.count)
+        return PendingRound(rnd, work, gathered, wire, layer)
+
+    def finish(self, pending: PendingRound) -> SparseRound:
+        """Wait for the round's collective and decode what every rank sent."""
+        rnd = pending.round
+        if pending.work is not None:
+            pending.work.wait()
+        if rnd.dense:
+            assert rnd.total_dense is not None
+            assert pending.accumulator is not None
+            rnd.total_dense = rnd.total_dense.clone()  # the all-reduced accumulator, before it is zeroed
+            pending.accumulator.zero_()
+            return rnd
+        if pending.gathered is None:
+            return rnd  # an empty round
+        assert pending.wire is not None
+        partition = rnd.partition
+        group_of = partition.flat_to_segment if pending.layer else (lambda idx: torch.zeros_like(idx))
+        rnd.gathered = pending.wire.unpack(pending.gathered, rnd.capacity, group_of)
         rnd.bytes_received = sum(
-            wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != ctx.rank
+            pending.wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != rnd.rank
         )
         return rnd
 
-    def _run_dense(self, acc: Tensor, rnd: SparseRound, ctx: StepContext) -> SparseRound:
+    def _start_dense(self, acc: Tensor, rnd: SparseRound, ctx: StepContext) -> PendingRound:
+        """Dense fallback: all-reduce the accumulator itself (S_i = acc); `finish` zeroes the residual."""
         rnd.dense = True
         rnd.own_dense = acc.clone()
-        total = acc  # reuse the buffer: the residual becomes 0 below anyway
+        work = None
         if ctx.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        rnd.total_dense = total.clone()
-        acc.zero_()
+            work = dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
+        rnd.total_dense = acc  # summed in place; `finish` copies it, then the residual becomes 0
         n = acc.numel()
         rnd.count = rnd.selected = n
         rnd.bytes_sent = n * FP32_BYTES
         rnd.bytes_received = n * FP32_BYTES if ctx.world_size > 1 else 0
-        return rnd
+        return PendingRound(rnd, work, accumulator=acc)

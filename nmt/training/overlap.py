@@ -1,17 +1,22 @@
-"""Overlap the dense gradient exchange with backward (`exchange.overlap: true`, methods dense and dense_bf16).
+"""Overlap the gradient exchange with backward (`exchange.overlap: true`): dense, dense_bf16, and dropping and
+local_mix with one threshold per layer (compression/sparse_buckets.py).
 
 Why: the exchange otherwise starts only after the whole backward pass; the gradients of the last layers are
 ready long before those of the embeddings. As in DDP, parameters are grouped into buckets of about
 `exchange.bucket_mb` in reverse layout order (the order backward produces them), and each bucket's
-all-reduce starts, asynchronously, as soon as backward has accumulated every parameter in it, during the
-last micro-batch of the step. Buckets start in bucket order on every rank (a bucket waits for the earlier
-ones), so all ranks issue the same collectives in the same order.
+exchange (an all-reduce, or a sparse round ending in an all-gather) starts, asynchronously, as soon as
+backward has accumulated every parameter in it, during the last micro-batch of the step. Buckets start in
+bucket order on every rank (a bucket waits for the earlier ones), so all ranks issue the same collectives in
+the same order.
 
 Each bucket is scaled by the step's factor (world size / global target tokens) before it leaves, exactly as
 the whole buffer is without overlap; so the trainer learns the global token count before backward (one tiny
 all-reduce of the micro-batches' token counts), and the non-finite check is taken per bucket before it is
-sent. With 2 ranks the result is bit-identical to the exchange after backward (tested); with more, the
-backend's summation order can differ by bucket in the last bits, as between any two bucketings.
+sent. The step's `reduce` waits for the buckets after the ranks' vote on NaN/inf; a skipped step drops
+them (`drop_buckets`). With 2 ranks the dense result is bit-identical to the exchange after backward
+(tested); with more, the backend's summation order can differ by bucket in the last bits, as between any two
+bucketings. The sparse methods' differences (per-bucket capacity, sampling order) are in
+compression/sparse_buckets.py.
 """
 
 from __future__ import annotations
@@ -103,4 +108,4 @@ class OverlapStep:
         bucket = self.flat_grad[start:end]
         self.non_finite |= ~torch.isfinite(bucket.sum())  # this rank's own values, before they leave
         bucket.mul_(self.scale)
-        self.exchange.start_bucket(bucket, self.ctx)
+        self.exchange.start_bucket(self.flat_grad, start, end, self.ctx)

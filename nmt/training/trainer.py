@@ -73,7 +73,7 @@ class Trainer:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.exchange = build_exchange(exchange_config)
-        overlap = config.exchange.overlap and info.world_size > 1  # exchange.overlap: dense methods only
+        overlap = config.exchange.overlap and info.world_size > 1  # nmt/training/overlap.py
         self.buckets = BackwardBuckets(self.flat, int(config.exchange.bucket_mb * 2**20)) if overlap else None
         last_worker = info.rank == info.world_size - 1
         self.straggler_s = train.straggler_ms / 1000.0 if last_worker and info.world_size > 1 else 0.0
@@ -154,12 +154,8 @@ class Trainer:
             nll_sum += nll.detach()
             tokens += n_tokens
 
-        stats, exchange_s = ExchangeStats(), 0.0
-        if overlap is not None:  # wait for the buckets still on the wire; the gradient is already scaled
+        if overlap is not None:  # every bucket is on the wire now, scaled; `reduce` below waits for them
             self.buckets.flush()
-            started = time.perf_counter()
-            stats = self.exchange.reduce(flat_grad, self.context(touched))
-            exchange_s = time.perf_counter() - started
             non_finite = overlap.non_finite | ~torch.isfinite(loss_sum)
         else:  # NaN/inf anywhere in this rank's loss or gradient (a NaN or an inf makes the sum non-finite)
             non_finite = ~torch.isfinite(loss_sum + flat_grad.sum())
@@ -186,11 +182,13 @@ class Trainer:
             flat_grad.mul_(self._gradient_scale(global_tokens))
 
         grad_norm = float("nan")
+        stats, exchange_s = ExchangeStats(), 0.0
+        if skip and overlap is not None:
+            self.exchange.drop_buckets()  # no residual or counter may change on a skipped step
         if not skip:
-            if overlap is None:
-                started = time.perf_counter()
-                stats = self.exchange.reduce(flat_grad, self.context(touched))
-                exchange_s = time.perf_counter() - started
+            started = time.perf_counter()
+            stats = self.exchange.reduce(flat_grad, self.context(touched))
+            exchange_s = time.perf_counter() - started
             grad_norm = float(flat_grad.norm())
             clip = self.config.train.clip_norm
             if clip > 0 and grad_norm > clip:

@@ -60,6 +60,7 @@ def _synthetic(cal) -> list:
         ("dense", 26e6),
         ("powersgd", 0.65e6),
         ("dropping-99", 0.6e6),
+        ("dropping-99.9", 0.06e6),
         ("local_mix", 3e6),
     ):
         for hosts in (2, 4):
@@ -70,8 +71,9 @@ def _synthetic(cal) -> list:
 
 
 def test_calibration_recovers_the_parameters_that_generated_the_points():
-    truth = em.Calibration(0.8, 2e-4, {"dense": 1e-9, "powersgd": 1.5e-8, "sparse": 8e-9})
+    truth = em.Calibration(0.8, 2e-4, {"dense": 1e-9, "powersgd": 1.5e-8, "sparse": 8e-9}, 3e-8)
     fitted = em.calibrate(_synthetic(truth))
+    assert fitted.sparse_s_per_entry == pytest.approx(3e-8, rel=1e-4)
     assert fitted.efficiency == pytest.approx(0.8, rel=1e-6)
     assert fitted.latency_s == pytest.approx(2e-4, rel=1e-4)
     for family, value in truth.compute_s_per_param.items():

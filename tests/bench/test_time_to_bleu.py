@@ -57,3 +57,16 @@ def test_single_host_run_validates_on_the_training_clock_and_resumes_as_finished
     assert ttb.main(argv) == 0  # finished: skipped, nothing appended
     assert (out / "runs" / f"{ttb.SINGLE}@{ttb.SINGLE}" / "metrics.jsonl").read_text() == metrics
     assert "single-host" in (out / "table.md").read_text()
+
+
+def test_the_unshaped_references_are_the_pair_over_loopback_and_one_worker(write_config, tmp_path, capsys):
+    config = write_config(max_steps=0)
+    links = ["--links", ttb.LOOPBACK, ttb.SINGLE]
+    argv = ["--config", str(config), "--out-dir", str(tmp_path), *links, "--dry-run"]
+    assert ttb.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time-to-bleu]")]
+    assert len(lines) == 2
+    loopback, single = lines
+    assert "dense-fp32@loopback" in loopback and "train.workers" not in loopback
+    assert "single-host@single-host" in single and "train.workers=1" in single
+    assert "exchange.method=dense" in single

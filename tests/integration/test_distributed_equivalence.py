@@ -95,41 +95,111 @@ def test_delayed_update_equals_one_big_batch(tmp_path, reverse_corpus):
     assert (delayed.flat.params - whole.flat.params).abs().max() < 1e-6
 
 
-def _overlap_worker(
-    rank: int, world: int, port: int, corpus: Path, tmp: Path, method: str, out: Path
-) -> None:
+# exchange.overlap: the exchange sections compared with and without it. The sparse ones use exact per-layer
+# thresholds and room for every selected entry (compression/sparse_buckets.py: then the rounds agree).
+OVERLAP_EXCHANGES = {
+    "dense": {"method": "dense"},
+    "dense_bf16": {"method": "dense_bf16"},
+    "local_mix": {
+        "method": "local_mix",
+        "threshold": "layer",
+        "threshold_estimator": "exact",
+        "capacity_factor": 2.0,
+        "local_mix": {"average_every": 2},
+    },
+    "dropping": {
+        "method": "dropping",
+        "threshold": "layer",
+        "threshold_estimator": "exact",
+        "capacity_factor": 2.0,
+    },
+}
+
+
+def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, name: str, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     info = WorkerInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     init_process_group(info, torch.device("cpu"), "gloo", 60)
-    params = {}
+    params, states = {}, {}
     for overlap in (True, False):
-        tree = tiny_config_dict(corpus, tmp / f"{method}-{overlap}", clip_norm=0.0, optimizer_delay=2)
+        tree = tiny_config_dict(corpus, tmp / f"{name}-{overlap}", clip_norm=0.0, optimizer_delay=2)
         # 0.05 MiB buckets: about a dozen for the tiny model, so several leave during backward
-        tree["exchange"] = {"method": method, "overlap": overlap, "bucket_mb": 0.05}
+        tree["exchange"] = {**OVERLAP_EXCHANGES[name], "overlap": overlap, "bucket_mb": 0.05}
         trainer = Trainer(config_from_dict(tree), info, torch.device("cpu"))
         if overlap:
             assert trainer.buckets is not None and len(trainer.buckets.bounds) > 5
         batches = iter(trainer.batches)
         for _ in range(3):
             trainer.train_step([next(batches), next(batches)], stop_vote=False)
+        if overlap and name in ("dropping", "local_mix"):  # the rounds did run bucket by bucket
+            assert sum(b is not None for b in trainer.exchange.state.buckets.buckets.values()) > 5
         params[overlap] = trainer.flat.params.clone()
+        states[overlap] = trainer.exchange.state_dict()
         trainer.close()
-    torch.save(params, out / f"overlap-{method}-{rank}.pt")
+    torch.save({"params": params, "states": states}, out / f"overlap-{name}-{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
 def test_overlapped_exchange_equals_the_exchange_after_backward(tmp_path, reverse_corpus):
-    """exchange.overlap: buckets all-reduced during backward give bit-identical steps (2 ranks, delay 2)."""
-    for method in ("dense", "dense_bf16"):
+    """exchange.overlap: buckets exchanged during backward give bit-identical steps (2 ranks, delay 2): dense
+    and bf16 all-reduce, and dropping and local_mix rounds per bucket (residuals equal too)."""
+    for name in OVERLAP_EXCHANGES:
         port = free_port()
-        mp.spawn(
-            _overlap_worker,
-            args=(2, port, reverse_corpus, tmp_path, method, tmp_path),
-            nprocs=2,
-            join=True,
-        )
-        ranks = [torch.load(tmp_path / f"overlap-{method}-{r}.pt") for r in range(2)]
-        for params in ranks:
-            assert torch.equal(params[True], params[False]), method
-        assert torch.equal(ranks[0][True], ranks[1][True])
+        args = (2, port, reverse_corpus, tmp_path, name, tmp_path)
+        mp.spawn(_overlap_worker, args=args, nprocs=2, join=True)
+        ranks = [torch.load(tmp_path / f"overlap-{name}-{r}.pt") for r in range(2)]
+        for got in ranks:
+            assert torch.equal(got["params"][True], got["params"][False]), name
+            residual = got["states"][True].get("residual")
+            if residual is not None:
+                assert residual.abs().sum() > 0, "dropped values must be kept"
+                assert torch.equal(residual, got["states"][False]["residual"]), name
+        if name != "local_mix":  # local_mix replicas drift between averages (every 2 steps; 3 steps ran)
+            assert torch.equal(ranks[0]["params"][True], ranks[1]["params"][True]), name
+
+
+def _skipped_overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, out: Path) -> None:
+    """NaN on rank 1 only: every rank skips the step, the rounds started during backward are dropped."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    info = WorkerInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
+    init_process_group(info, torch.device("cpu"), "gloo", 60)
+    tree = tiny_config_dict(corpus, tmp / "skip", clip_norm=0.0)
+    tree["exchange"] = {**OVERLAP_EXCHANGES["dropping"], "overlap": True, "bucket_mb": 0.05}
+    trainer = Trainer(config_from_dict(tree), info, torch.device("cpu"))
+    batches = iter(trainer.batches)
+    trainer.train_step([next(batches)], stop_vote=False)
+    before = trainer.exchange.state_dict()
+    params = trainer.flat.params
+    saved = params.detach().clone()
+    first = trainer.flat.layout[0]
+    if rank == 1:
+        with torch.no_grad():
+            params[first.offset : first.end] = float("nan")
+    result = trainer.train_step([next(batches)], stop_vote=False)
+    with torch.no_grad():
+        params.copy_(saved)
+    after = trainer.exchange.state_dict()
+    torch.save(
+        {
+            "skipped": trainer.state.skipped_steps,
+            "loss": result.loss_sum,
+            "residual_kept": torch.equal(before["residual"], after["residual"]),
+            "step_kept": before["step"] == after["step"],
+            "pending": len(trainer.exchange.state.buckets.pending),
+        },
+        out / f"skip-{rank}.pt",
+    )
+    trainer.train_step([next(batches)], stop_vote=False)  # the next step exchanges normally
+    trainer.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_a_skipped_step_drops_the_overlapped_sparse_rounds(tmp_path, reverse_corpus):
+    port = free_port()
+    mp.spawn(_skipped_overlap_worker, args=(2, port, reverse_corpus, tmp_path, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"skip-{rank}.pt")
+        assert got["skipped"] == 1 and got["loss"] != got["loss"]  # NaN on every rank
+        assert got["residual_kept"] and got["step_kept"] and got["pending"] == 0
