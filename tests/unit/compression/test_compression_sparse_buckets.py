@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compression_dropping import LAYOUT, N  # embedding rows, a matrix, a bias, the output, a bias
 
-from compression import ParamSpan, StepContext
+from compression import StepContext
 from compression.config import ExchangeConfig
 from compression.dropping import GradientDropping
 from compression.local_mix import LocalMix
@@ -16,14 +17,6 @@ from compression.sparse_buckets import sparse_bucket
 
 from gloo_harness import run_ranks
 
-LAYOUT = [
-    ParamSpan("src_emb", 0, (40, 6), "embedding"),
-    ParamSpan("w1", 240, (20, 30), "matrix"),
-    ParamSpan("b1", 840, (30,), "vector"),
-    ParamSpan("out", 870, (40, 6), "output"),
-    ParamSpan("b2", 1110, (40,), "vector"),
-]
-N = 1150
 # Buckets in the order backward produces them (last layers first), whole spans each, as BackwardBuckets makes.
 BUCKETS = [(840, 1150), (240, 840), (0, 240)]
 
