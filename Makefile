@@ -29,7 +29,7 @@ $(DATA)/train.es: nmt/data/bible.py | $(STAMP) $(SWORD)
 
 corpus: $(DATA)/train.es
 
-# Main job: build the embedded corpus, train with $(WORKERS) local workers exchanging sparse
+# Main job: build the embedded corpus, train with $(WORKERS) local workers exchanging dense
 # gradients (bounded to ~15 minutes on 2 CPU cores), validate with sacreBLEU, translate held-out lines.
 train: corpus
 	$(BIN)/nmt-train --config recipes/bible-es-en.yml --workers $(WORKERS)

@@ -4,7 +4,7 @@ Why: the question users ask is "how much BLEU do I give up for how many fewer by
 `nmt-train --config RECIPE --workers N model_dir=RUNS/NAME key=value ...` once per method and reads only what
 the runs logged (`<model_dir>/metrics.jsonl`), so every number in the report comes from a run.
 
-    python bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 \\
+    python bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 \\
         --run dense exchange.method=dense \\
         --run dropping exchange.method=dropping exchange.drop_ratio=0.99 \\
         --run local_mix exchange.method=local_mix exchange.local_mix.local_mode=replace \\

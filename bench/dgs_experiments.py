@@ -20,7 +20,8 @@ Runs (model_dir = OUT/NAME, one shared sentencepiece model OUT/spm.model):
     one_way                   async, exchange.dgs.mode=one_way  sparse push, dense pull
     dual                      async, exchange.dgs.mode=dual     DGS: sparse push, sparse model-difference pull
     dual-straggler            dual; the last worker sleeps --straggler-ms per step (train.straggler_ms)
-    sync-dropping             sync, exchange.method=dropping (99%), recipes/bible-es-en.yml, 50 warm-up steps
+    sync-dropping             sync, exchange.method=dropping (99%), recipes/bible-es-en-adam.yml,
+                              50 warm-up steps
     sync-local_mix            sync, local_mix replace (99%), 50 warm-up steps, parameters averaged every 100
     sync-local_mix-straggler  sync-local_mix with the same straggler
 Columns: dev loss and BLEU (last `valid` row; greedy, 300 dev sentences), test BLEU (best checkpoint, all test
@@ -41,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- dgs-results:start -->", "<!-- dgs-results:end -->"
-ASYNC_RECIPE, SYNC_RECIPE = "recipes/bible-es-en-dgs.yml", "recipes/bible-es-en.yml"
+ASYNC_RECIPE, SYNC_RECIPE = "recipes/bible-es-en-dgs.yml", "recipes/bible-es-en-adam.yml"
 # The synchronous runs: the settings bench/run_experiments.sh gives the Transformer recipe's sparse runs.
 SYNC_WARMUP = "exchange.warmup_steps=50"
 RUNS: dict[str, list[str]] = {

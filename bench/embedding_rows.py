@@ -5,7 +5,7 @@ Why: with untied input embeddings, `exchange.embedding_rows` sends each rank's t
 same batches the trainer reads (same recipe, seed, rank and world size) and counts what the row path sends:
 the unique source ids (source embedding) and the unique decoder-input ids (target embedding) of each step.
 
-    python bench/embedding_rows.py --config recipes/bible-es-en.yml --workers 2 --steps 300 \\
+    python bench/embedding_rows.py --config recipes/bible-es-en-adam.yml --workers 2 --steps 300 \\
         data.vocab.model=models/compare-embedding/dropping-99-rows/spm.model model.tie_embeddings=none
 """
 

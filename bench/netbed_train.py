@@ -5,7 +5,7 @@ whole training step costs when the gradient exchange crosses a link of 1 Gbit/s 
 exchange method, with every host in its own network namespace (one worker per host, gloo; or several with
 --procs-per-host, which then talk over the host's unshaped loopback, as the GPUs of one node would).
 
-    python bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 \\
+    python bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 4 \\
         --bandwidth unlimited 1gbit 100mbit --steps 30 \\
         --run dense exchange.method=dense --run local_mix exchange.method=local_mix \\
         --json docs/netbed-train.jsonl --out docs/netbed-train.md

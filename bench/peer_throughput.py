@@ -100,7 +100,7 @@ def run_fairseq(venv: Path, data: Path, seconds: float, processes: int, batch_to
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--config", default="recipes/bible-es-en.yml")
+    parser.add_argument("--config", default="recipes/bible-es-en-adam.yml")
     parser.add_argument("--seconds", type=float, default=240, help="training wall time of every run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch-tokens", type=int, default=1500, help="tokens per process per update")

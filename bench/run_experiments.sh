@@ -60,7 +60,7 @@ RNN_NETBED_METHODS=(
 )
 case "${1:-all}" in
 transformer|all)
-  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+  $PY bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 --skip-existing \
     --runs-dir models/compare-transformer --out docs/results-transformer.md --plots docs/plots/transformer \
     "${COMMON[@]}" "${METHODS[@]}"
   ;;&
@@ -75,7 +75,7 @@ sbc|all)
   # communication budget (density / delay = 0.001 of the entries per step: n1-p0.001 = no-delay,
   # n10-p0.01 = delay-10, then n50-p0.05 and n100-p0.1). Every delay divides valid.every (100), so no round is
   # run early for a validation.
-  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+  $PY bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 --skip-existing \
     --runs-dir models/compare-sbc --out docs/results-sbc.md --plots docs/plots/sbc \
     "${COMMON[@]}" \
     --run dropping-99-global exchange.method=dropping exchange.drop_ratio=0.99 $W \
@@ -88,7 +88,7 @@ sbc|all)
 embedding|all)
   # Issue 4: the embedding-row path needs untied input embeddings (the recipes tie all three). Dropping 99%
   # with untied embeddings, rows exchanged as (row id, row) vs through the sparse path.
-  $PY bench/compare_methods.py --config recipes/bible-es-en.yml --workers 2 --skip-existing \
+  $PY bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 --skip-existing \
     --runs-dir models/compare-embedding --out docs/results-embedding.md --plots docs/plots/embedding \
     "${COMMON[@]}" --common model.tie_embeddings=none \
     --run dropping-99-rows exchange.method=dropping exchange.drop_ratio=0.99 exchange.embedding_rows=true $W \
@@ -107,7 +107,7 @@ dgs|all)
   ;;&
 netbed|all)
   # Issue 3: dense exchange on the bandwidth-limited test bed, 2 and 4 hosts (one worker each).
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 --bandwidth unlimited 1gbit 100mbit \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 4 --bandwidth unlimited 1gbit 100mbit \
     --steps 15 --run dense exchange.method=dense --vocab models/bible-es-en/spm.model --common data.batch_tokens=1500 \
     --reference models/bible-es-en/metrics.jsonl --target-loss 4.0 \
     --json docs/netbed-train-dense.jsonl --out docs/netbed-train-dense.md
@@ -115,7 +115,7 @@ netbed|all)
 netbed-methods|all)
   # Issue 4: every method's step time at 1 Gbit/s, 2 hosts (10 steps: inside the recipe's warm-ups).
   # VOCAB: any sentencepiece model of the recipe (e.g. one of a compare run).
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 10 \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 1gbit --steps 10 \
     --vocab "${VOCAB:-models/bible-es-en/spm.model}" --common data.batch_tokens=1500 \
     "${NETBED_METHODS[@]}" \
     --json docs/netbed-train-methods.jsonl --out docs/netbed-train-methods.md
@@ -134,7 +134,7 @@ time-to-bleu)
 overlap|all)
   # exchange.overlap: dense step time at 1 Gbit/s, 2 bed hosts, without / with / without overlap, in one run
   rm -f docs/netbed-overlap.jsonl
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 1gbit --steps 40 \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 1gbit --steps 40 \
     --vocab models/time-to-bleu/spm.model --common train.threads=1 --run dense exchange.method=dense \
     --run dense-overlap exchange.method=dense exchange.overlap=true --run dense-again exchange.method=dense \
     --json docs/netbed-overlap.jsonl --out docs/netbed-overlap.md
@@ -143,16 +143,25 @@ overlap-sparse|all)
   # exchange.overlap for local_mix 99% with layer thresholds: step time at 100 Mbit/s, 2 bed hosts, in one run
   rm -f docs/netbed-overlap-sparse.jsonl
   LAYER="exchange.method=local_mix exchange.threshold=layer exchange.warmup_steps=0"
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --bandwidth 100mbit --steps 40 \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 100mbit --steps 40 \
     --vocab models/time-to-bleu/spm.model --common train.threads=1 --run local_mix-layer $LAYER \
     --run local_mix-layer-overlap $LAYER exchange.overlap=true --run local_mix-layer-again $LAYER \
     --json docs/netbed-overlap-sparse.jsonl --out docs/netbed-overlap-sparse.md
+  ;;&
+overlap-dgc|all)
+  # exchange.overlap for DGC 99% with layer thresholds (no local clipping: it needs the whole gradient), 100 Mbit/s
+  rm -f docs/netbed-overlap-dgc.jsonl
+  LAYER="exchange.method=dgc exchange.threshold=layer exchange.warmup_steps=0 train.optimizer=sgd train.lr=0.3"
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 100mbit --steps 40 \
+    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run dgc-layer $LAYER \
+    --run dgc-layer-overlap $LAYER exchange.overlap=true --run dgc-layer-again $LAYER \
+    --json docs/netbed-overlap-dgc.jsonl --out docs/netbed-overlap-dgc.md
   ;;&
 netbed-sparse|all)
   # Cost-model calibration: sparse step exchange time on 2 and 4 bed hosts at 100 Mbit/s and 1 Gbit/s
   # (warm-up off, so every step is sparse; 4 hosts share the 2 cores, so compute per step doubles).
   rm -f docs/netbed-train-sparse.jsonl
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 4 --bandwidth 100mbit 1gbit --steps 15 \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 4 --bandwidth 100mbit 1gbit --steps 15 \
     --vocab models/time-to-bleu/spm.model --common train.threads=1 data.batch_tokens=1500 exchange.warmup_steps=0 \
     --run dropping-99 exchange.method=dropping --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
     --run local_mix-99 exchange.method=local_mix \
@@ -162,7 +171,7 @@ netbed-hierarchy|all)
   # exchange.hierarchy: 2 bed hosts of 2 workers each (loopback inside a host), dropping 99% at 100 Mbit/s,
   # flat against node (dense inside the host, sparse shards between the hosts), in one run
   rm -f docs/netbed-hierarchy.jsonl
-  $PY bench/netbed_train.py --config recipes/bible-es-en.yml --hosts 2 --procs-per-host 2 --bandwidth 100mbit \
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --procs-per-host 2 --bandwidth 100mbit \
     --steps 15 --vocab models/time-to-bleu/spm.model \
     --common train.threads=1 exchange.method=dropping exchange.warmup_steps=0 \
     --run flat exchange.hierarchy=flat --run node exchange.hierarchy=node --run flat-again exchange.hierarchy=flat \
@@ -176,7 +185,7 @@ multinode|all)
   rm -rf models/netbed-multinode
   $PY bench/netbed.py run --hosts 2 --bandwidth 1gbit --timeout 1200 --log-dir models/netbed-multinode-logs -- \
     'OMP_NUM_THREADS=1 .venv/bin/torchrun --nnodes 2 --nproc-per-node 1 $NETBED_TORCHRUN_ARGS \
-     -m nmt.cli.train --config recipes/bible-es-en.yml model_dir=models/netbed-multinode \
+     -m nmt.cli.train --config recipes/bible-es-en-adam.yml model_dir=models/netbed-multinode \
      data.vocab.model=models/bible-es-en/spm.model train.max_wall_s=0 train.max_steps=200 train.threads=1 \
      exchange.method=local_mix exchange.warmup_steps=50 exchange.local_mix.average_every=100 \
      data.batch_tokens=1500 \

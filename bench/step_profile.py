@@ -15,7 +15,7 @@ are BLEU. This measures, on the real model, loss, optimizer and batches of a rec
     exchange's share of the step from the runs' own metrics (exchange_s per step).
 
 Output: one JSON object per line, then a human table.
-    python bench/step_profile.py --config recipes/bible-es-en.yml --steps 20 --layouts 150
+    python bench/step_profile.py --config recipes/bible-es-en-adam.yml --steps 20 --layouts 150
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default="recipes/bible-es-en.yml")
+    parser.add_argument("--config", default="recipes/bible-es-en-adam.yml")
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (one worker of two on 2 cores)"
     )

@@ -3,8 +3,8 @@
 Why: the claim of sparse exchange is "the same translation quality, sooner, over a slow link". This measures
 exactly that on the network test bed (bench/netbed.py: one worker per host, every link tbf-shaped), against
 the dense baselines a user would run instead (fp32 all-reduce, bf16 all-reduce, PowerSGD):
-  - every run trains the make-train recipe (recipes/bible-es-en.yml) for the same *training* time
-    (train.max_train_s: validation and checkpoints do not count; their time is reported apart);
+  - every run trains the make-train recipe with Adam (recipes/bible-es-en-adam.yml) for the same *training*
+    time    (train.max_train_s: validation and checkpoints do not count; their time is reported apart);
   - dev BLEU and loss on one fixed dev subset (valid.max_sentences, greedy) every --every-s seconds of
     training time (valid.every_train_s), the same points for every method;
   - at the end, beam-5 test BLEU on all test verses with the best checkpoint (the trainer's test row);
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default="recipes/bible-es-en.yml")
+    parser.add_argument("--config", default="recipes/bible-es-en-adam.yml")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=1200, help="training seconds per run")
     parser.add_argument("--every-s", type=float, default=120, help="training seconds between dev points")

@@ -30,9 +30,9 @@ SHARED_OPTION_METHODS: dict[str, tuple[str, ...]] = {
     "sample_seed": (*SPARSE_METHODS, "powersgd"),  # powersgd: the seed of its first Q
     "hierarchy": ("dropping", "local_mix", "dgc"),  # compression/hierarchy.py
     "node_size": ("dropping", "local_mix", "dgc"),
-    # nmt/training/overlap.py; dropping and local_mix with exchange.threshold: layer only
-    "overlap": ("dense", "dense_bf16", "dropping", "local_mix"),
-    "bucket_mb": ("dense", "dense_bf16", "dropping", "local_mix"),
+    # nmt/training/overlap.py; the sparse methods with exchange.threshold: layer only
+    "overlap": ("dense", "dense_bf16", "dropping", "local_mix", "dgc"),
+    "bucket_mb": ("dense", "dense_bf16", "dropping", "local_mix", "dgc"),
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
@@ -220,7 +220,8 @@ class ExchangeConfig:
     hierarchy: str = "flat"
     node_size: int = 0  # ranks per node for hierarchy node/auto; 0 = ranks per machine (LOCAL_WORLD_SIZE)
     # exchange buckets of about bucket_mb MiB while backward runs, as DDP does: dense, dense_bf16, and
-    # dropping and local_mix with threshold: layer (a sparse round per bucket; compression/sparse_buckets.py)
+    # dropping, local_mix and dgc with threshold: layer (a sparse round per bucket:
+    # compression/sparse_buckets.py)
     overlap: bool = False
     bucket_mb: float = 4.0  # MiB per bucket of exchange.overlap
     local_mix: LocalMixOptions = field(default_factory=LocalMixOptions)
@@ -260,11 +261,17 @@ class ExchangeConfig:
             raise ValueError(f"exchange.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.node_size < 0:
             raise ValueError(f"exchange.node_size must be >= 0 (0 = ranks per machine), got {self.node_size}")
-        if self.overlap and self.method in ("dropping", "local_mix") and self.threshold != "layer":
+        if self.overlap and self.method in ("dropping", "local_mix", "dgc") and self.threshold != "layer":
             raise ValueError(
                 f"exchange.overlap with {self.method} needs exchange.threshold: layer (a global threshold "
                 "needs the whole gradient before any bucket can leave); set exchange.threshold=layer or "
                 "exchange.overlap=false"
+            )
+        if self.overlap and self.method == "dgc" and self.dgc.local_clip_norm > 0:
+            raise ValueError(
+                "exchange.overlap with dgc needs exchange.dgc.local_clip_norm: 0 (local clipping scales "
+                "by the whole gradient's norm, known only after backward); set "
+                "exchange.dgc.local_clip_norm=0 or exchange.overlap=false"
             )
         if self.overlap and self.hierarchy == "node":
             raise ValueError(

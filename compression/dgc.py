@@ -42,7 +42,8 @@ from compression.dropping import exchange_stats
 from compression.partition import BufferPartition
 from compression.protocol import ExchangeStats, ParamSpan, StepContext
 from compression.registry import register
-from compression.sparsify import ThresholdSparsifier
+from compression.sparse_buckets import BucketRounds
+from compression.sparsify import ThresholdSparsifier, merge_rounds
 
 WARMUP_FACTOR = 0.25
 FP32_BYTES = 4
@@ -63,7 +64,8 @@ class DeepGradientCompression:
     """DGC with momentum correction, momentum factor masking, density warm-up and optional local clipping.
     Options: exchange.dgc.momentum and exchange.dgc.local_clip_norm, and the shared exchange.* drop_ratio,
     warmup_steps, threshold, threshold_estimator, sample_size, capacity_factor, dense_vectors, quantize_bits,
-    dense_fallback, sample_seed."""
+    dense_fallback, sample_seed, hierarchy, node_size, and overlap with threshold: layer (one round per
+    bucket during backward, compression/sparse_buckets.py)."""
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         self.config = config or ExchangeConfig(method="dgc")
@@ -74,6 +76,7 @@ class DeepGradientCompression:
         self.momentum: Tensor | None = None  # u, sparse space
         self.velocity: Tensor | None = None  # v, sparse space (the residual)
         self.dense_momentum: Tensor | None = None  # u of the dense part (identical on all ranks)
+        self.buckets = BucketRounds()  # exchange.overlap (compression/sparse_buckets.py)
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -104,6 +107,24 @@ class DeepGradientCompression:
                 setattr(self, name, buf.to(flat.device))
         return self.partition
 
+    def density(self) -> float:
+        """This step's density (DGC's exponential warm-up)."""
+        return dgc_density(self.config.drop_ratio, self.config.warmup_steps, self.step)
+
+    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
+        """exchange.overlap: start the sparse round of flat_grad[start:end] (momentum and velocity updated on
+        copies of the bucket's slices); the next reduce ends it. Local clipping needs the whole gradient's
+        norm first, so the configuration refuses it with overlap."""
+        part = self._prepare(flat_grad, ctx)
+        assert self.momentum is not None and self.velocity is not None
+        self.buckets.start(
+            self.sparsifier, self.velocity, part, flat_grad, (start, end), self.density(), ctx,
+            momentum=self.momentum, momentum_factor=self.config.dgc.momentum,
+        )  # fmt: skip
+
+    def drop_buckets(self) -> None:
+        self.buckets.drop()
+
     def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         part = self._prepare(flat_grad, ctx)
         u, v, u_dense = self.momentum, self.velocity, self.dense_momentum
@@ -125,15 +146,20 @@ class DeepGradientCompression:
             part.dense.copy_to(flat_grad, u_dense)
             bytes_dense = part.dense.numel * FP32_BYTES
 
-        u.mul_(m)
-        part.sparse.add_from(u, flat_grad)  # u = m u + g
-        v.add_(u)  # v = v + u
-        density = dgc_density(self.config.drop_ratio, self.config.warmup_steps, self.step)
-        rnd = self.sparsifier.run(v, density, part, ctx)  # v <- v - S_i
-        rnd.zero_sent(u)  # momentum factor masking (v is already zero where sent)
+        if self.buckets.pending:  # exchange.overlap: one round per bucket, started during backward
+            rounds = self.buckets.finish(self.sparsifier, v, momentum=u)
+        else:
+            u.mul_(m)
+            part.sparse.add_from(u, flat_grad)  # u = m u + g
+            v.add_(u)  # v = v + u
+            rnd = self.sparsifier.run(v, self.density(), part, ctx)  # v <- v - S_i
+            rnd.zero_sent(u)  # momentum factor masking (v is already zero where sent)
+            rounds = [rnd]
         part.sparse.fill(flat_grad, 0.0)
-        rnd.add_into(flat_grad, 1.0 / p)
+        for rnd in rounds:
+            rnd.add_into(flat_grad, 1.0 / p)
         self.step += 1
+        rnd = merge_rounds(rounds, part)
         return exchange_stats(rnd, flat_grad.numel(), bytes_dense, 0, 0, part.dense.numel)
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:

@@ -1,4 +1,4 @@
-"""Sparse rounds bucket by bucket while backward runs (`exchange.overlap` for dropping and local_mix).
+"""Sparse rounds bucket by bucket while backward runs (`exchange.overlap` for dropping, local_mix and dgc).
 
 Why: the sparse exchange otherwise starts after the whole backward pass, although the last layers' gradients
 are ready long before the embeddings'. With one threshold per layer (`exchange.threshold: layer`) a span's
@@ -10,7 +10,10 @@ are known only then.
 
 Each bucket's round works on a copy of its slice of the residual plus the gradient; the residual takes the
 copy's leftover only when the step's `reduce` finishes the rounds, so a skipped step (NaN/inf on some rank,
-`drop_buckets`) changes nothing. What differs from one round over the whole buffer:
+`drop_buckets`) changes nothing. DGC's momentum is carried the same way: each bucket updates a copy of its
+slice (u <- m u + g), adds it to the copy of the velocity slice it sparsifies (v <- v + u), and both copies
+replace their slices at the finish, the momentum with the sent entries zeroed (momentum factor masking).
+What differs from one round over the whole buffer:
 - capacity is per bucket (capacity_factor x density x the bucket's size): an overflow in one bucket is not
   absorbed by room in another. With per-layer thresholds each span selects about density x its size, so
   neither form overflows in practice, and then the two give the same message entries;
@@ -62,7 +65,7 @@ class BucketRounds:
 
     def __init__(self) -> None:
         self.buckets: dict[tuple[int, int], SparseBucket | None] = {}
-        self.pending: list[tuple[SparseBucket, Tensor, PendingRound]] = []
+        self.pending: list[tuple[SparseBucket, Tensor, Tensor | None, PendingRound]] = []
 
     def start(
         self,
@@ -73,30 +76,47 @@ class BucketRounds:
         bounds: tuple[int, int],
         density: float,
         ctx: StepContext,
+        momentum: Tensor | None = None,
+        momentum_factor: float = 0.0,
     ) -> None:
-        """Start the round of bucket flat_grad[bounds[0]:bounds[1]] on (its residual + its gradient)."""
+        """Start the round of bucket flat_grad[bounds[0]:bounds[1]] on (its residual + its gradient); with
+        `momentum` (DGC, sparse space like the residual) on (its velocity + m u + its gradient)."""
         if bounds not in self.buckets:
             self.buckets[bounds] = sparse_bucket(whole, *bounds, sparsifier.config.sample_size)
         bucket = self.buckets[bounds]
         if bucket is None:
             return  # dense vectors and embedding rows only: they travel in `reduce`
         acc = residual[bucket.begin : bucket.end].clone()
-        bucket.partition.sparse.add_from(acc, flat_grad)
+        carried = None
+        if momentum is None:
+            bucket.partition.sparse.add_from(acc, flat_grad)
+        else:
+            carried = momentum[bucket.begin : bucket.end].mul(momentum_factor)
+            bucket.partition.sparse.add_from(carried, flat_grad)  # u = m u + g
+            acc.add_(carried)  # v = v + u
         pending = sparsifier.start(acc, density, bucket.partition, ctx, sample_size=bucket.sample_size)
-        self.pending.append((bucket, acc, pending))
+        self.pending.append((bucket, acc, carried, pending))
 
-    def finish(self, sparsifier: ThresholdSparsifier, residual: Tensor) -> list[SparseRound]:
-        """Wait for every started round; each bucket's leftover becomes its slice of the residual."""
+    def finish(
+        self, sparsifier: ThresholdSparsifier, residual: Tensor, momentum: Tensor | None = None
+    ) -> list[SparseRound]:
+        """Wait for every started round; each bucket's leftover becomes its slice of the residual, and its
+        momentum copy (DGC) its slice of `momentum`, zeroed where the bucket sent."""
         rounds = []
-        for bucket, acc, pending in self.pending:
-            rounds.append(sparsifier.finish(pending))
+        for bucket, acc, carried, pending in self.pending:
+            rnd = sparsifier.finish(pending)
+            rounds.append(rnd)
             residual[bucket.begin : bucket.end].copy_(acc)
+            if momentum is not None and carried is not None:
+                rnd.zero_sent(carried)
+                momentum[bucket.begin : bucket.end].copy_(carried)
         self.pending = []
         return rounds
 
     def drop(self) -> None:
-        """Wait for the started rounds (every rank issued them) and forget them: the residual is unchanged."""
-        for _, _, pending in self.pending:
+        """Wait for the started rounds (every rank issued them) and forget them: residual and momentum are
+        unchanged."""
+        for *_, pending in self.pending:
             if pending.work is not None:
                 pending.work.wait()
         self.pending = []

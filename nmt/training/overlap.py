@@ -1,5 +1,5 @@
-"""Overlap the gradient exchange with backward (`exchange.overlap: true`): dense, dense_bf16, and dropping and
-local_mix with one threshold per layer (compression/sparse_buckets.py).
+"""Overlap the gradient exchange with backward (`exchange.overlap: true`): dense, dense_bf16, and dropping,
+local_mix and dgc with one threshold per layer (compression/sparse_buckets.py).
 
 Why: the exchange otherwise starts only after the whole backward pass; the gradients of the last layers are
 ready long before those of the embeddings. As in DDP, parameters are grouped into buckets of about

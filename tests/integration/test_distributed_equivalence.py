@@ -113,7 +113,15 @@ OVERLAP_EXCHANGES = {
         "threshold_estimator": "exact",
         "capacity_factor": 2.0,
     },
+    "dgc": {
+        "method": "dgc",
+        "threshold": "layer",
+        "threshold_estimator": "exact",
+        "capacity_factor": 2.0,
+    },
 }
+# dgc's result holds the momentum: plain SGD applies it
+OVERLAP_TRAIN = {"dgc": {"optimizer": "sgd", "lr": 0.1}}
 
 
 def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, name: str, out: Path) -> None:
@@ -123,7 +131,8 @@ def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, n
     init_process_group(info, torch.device("cpu"), "gloo", 60)
     params, states = {}, {}
     for overlap in (True, False):
-        tree = tiny_config_dict(corpus, tmp / f"{name}-{overlap}", clip_norm=0.0, optimizer_delay=2)
+        train = {"clip_norm": 0.0, "optimizer_delay": 2, **OVERLAP_TRAIN.get(name, {})}
+        tree = tiny_config_dict(corpus, tmp / f"{name}-{overlap}", **train)
         # 0.05 MiB buckets: about a dozen for the tiny model, so several leave during backward
         tree["exchange"] = {**OVERLAP_EXCHANGES[name], "overlap": overlap, "bucket_mb": 0.05}
         trainer = Trainer(config_from_dict(tree), info, torch.device("cpu"))
@@ -132,8 +141,9 @@ def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, n
         batches = iter(trainer.batches)
         for _ in range(3):
             trainer.train_step([next(batches), next(batches)], stop_vote=False)
-        if overlap and name in ("dropping", "local_mix"):  # the rounds did run bucket by bucket
-            assert sum(b is not None for b in trainer.exchange.state.buckets.buckets.values()) > 5
+        if overlap and name in ("dropping", "local_mix", "dgc"):  # the rounds did run bucket by bucket
+            rounds = trainer.exchange.buckets if name == "dgc" else trainer.exchange.state.buckets
+            assert sum(b is not None for b in rounds.buckets.values()) > 5
         params[overlap] = trainer.flat.params.clone()
         states[overlap] = trainer.exchange.state_dict()
         trainer.close()
@@ -143,7 +153,8 @@ def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, n
 
 def test_overlapped_exchange_equals_the_exchange_after_backward(tmp_path, reverse_corpus):
     """exchange.overlap: buckets exchanged during backward give bit-identical steps (2 ranks, delay 2): dense
-    and bf16 all-reduce, and dropping and local_mix rounds per bucket (residuals equal too)."""
+    and bf16 all-reduce, and dropping, local_mix and dgc rounds per bucket (residuals, DGC's velocity and
+    momentum equal too)."""
     for name in OVERLAP_EXCHANGES:
         port = free_port()
         args = (2, port, reverse_corpus, tmp_path, name, tmp_path)
@@ -151,10 +162,11 @@ def test_overlapped_exchange_equals_the_exchange_after_backward(tmp_path, revers
         ranks = [torch.load(tmp_path / f"overlap-{name}-{r}.pt") for r in range(2)]
         for got in ranks:
             assert torch.equal(got["params"][True], got["params"][False]), name
-            residual = got["states"][True].get("residual")
-            if residual is not None:
-                assert residual.abs().sum() > 0, "dropped values must be kept"
-                assert torch.equal(residual, got["states"][False]["residual"]), name
+            for key in ("residual", "velocity", "momentum"):
+                kept = got["states"][True].get(key)
+                if kept is not None:
+                    assert kept.abs().sum() > 0, f"{name} {key}: dropped values must be kept"
+                    assert torch.equal(kept, got["states"][False][key]), f"{name} {key}"
         if name != "local_mix":  # local_mix replicas drift between averages (every 2 steps; 3 steps ran)
             assert torch.equal(ranks[0]["params"][True], ranks[1]["params"][True]), name
 

@@ -16,6 +16,7 @@ from compression.config import (
     METHOD_SECTIONS,
     RENAMED_KEYS,
     SHARED_OPTION_METHODS,
+    DgcOptions,
     DgsOptions,
     ExchangeConfig,
     SbcOptions,
@@ -167,7 +168,7 @@ def test_method_options_apply_to_their_method_only(key: str, method: str) -> Non
 @pytest.mark.parametrize("method", METHODS)
 def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: str) -> None:
     config = ExchangeConfig(method=method, **{key: EXAMPLES[key]})
-    if key == "overlap" and method in ("dropping", "local_mix"):
+    if key == "overlap" and method in ("dropping", "local_mix", "dgc"):
         config.threshold = "layer"  # the sparse overlap needs layer thresholds (tested below)
     if method in SHARED_OPTION_METHODS[key]:
         config.validate()
@@ -180,8 +181,8 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
 
 def test_shared_options_table() -> None:
     """Who reads what (documented in compression/config.py): the dropping family everything but the
-    overlap, which dropping and local_mix read; dgc no embedding rows; dgs no dense vectors, embedding rows or
-    hierarchy; powersgd only the seed; dense and dense_bf16 only the overlap; sbc none."""
+    overlap, which dropping, local_mix and dgc read; dgc no embedding rows; dgs no dense vectors, embedding
+    rows or hierarchy; powersgd only the seed; dense and dense_bf16 only the overlap; sbc none."""
     readers = {key: set(methods) for key, methods in SHARED_OPTION_METHODS.items()}
     assert {m for methods in readers.values() for m in methods} == {
         "dropping",
@@ -193,7 +194,7 @@ def test_shared_options_table() -> None:
         "dense_bf16",
     }
     overlap = {"overlap", "bucket_mb"}
-    assert all(readers[key] == {"dense", "dense_bf16", "dropping", "local_mix"} for key in overlap)
+    assert all(readers[key] == {"dense", "dense_bf16", "dropping", "local_mix", "dgc"} for key in overlap)
     assert all({"dropping", "local_mix"} <= methods for key, methods in readers.items() if key not in overlap)
     assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
@@ -201,7 +202,7 @@ def test_shared_options_table() -> None:
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
 
 
-@pytest.mark.parametrize("method", ["dropping", "local_mix"])
+@pytest.mark.parametrize("method", ["dropping", "local_mix", "dgc"])
 def test_the_sparse_overlap_needs_layer_thresholds_and_a_flat_exchange(method: str) -> None:
     with pytest.raises(ValueError, match=rf"^exchange.overlap with {method} needs exchange.threshold: layer"):
         ExchangeConfig(method=method, overlap=True).validate()
@@ -214,6 +215,16 @@ def test_the_sparse_overlap_needs_layer_thresholds_and_a_flat_exchange(method: s
     assert resolve_hierarchy(auto, world_size=2, ranks_per_machine=2).hierarchy == "flat"
     with pytest.raises(ValueError, match=r"^exchange.overlap: the hierarchical exchange \(exchange.hier"):
         resolve_hierarchy(auto, world_size=4, ranks_per_machine=2)
+
+
+def test_the_dgc_overlap_refuses_local_clipping() -> None:
+    clipped = ExchangeConfig(
+        method="dgc", overlap=True, threshold="layer", dgc=DgcOptions(local_clip_norm=1.0)
+    )
+    with pytest.raises(
+        ValueError, match=r"^exchange.overlap with dgc needs exchange.dgc.local_clip_norm: 0 "
+    ):
+        clipped.validate()
 
 
 def test_an_option_set_to_its_default_is_no_error() -> None:

@@ -1,6 +1,7 @@
-"""Sparse rounds per bucket (exchange.overlap for dropping and local_mix): which stretch of the residual each
-bucket owns, and, on 2 real gloo ranks, that rounds started bucket by bucket give what one round over the
-whole buffer gives (exact per-layer thresholds, room for every entry), with fp32 and 2-bit values."""
+"""Sparse rounds per bucket (exchange.overlap for dropping, local_mix and dgc): which stretch of the residual
+each bucket owns, and, on 2 real gloo ranks, that rounds started bucket by bucket give what one round over the
+whole buffer gives (exact per-layer thresholds, room for every entry), with fp32 and 2-bit values, DGC's
+momentum and velocity included."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from test_compression_dropping import LAYOUT, N  # embedding rows, a matrix, a b
 
 from compression import StepContext
 from compression.config import ExchangeConfig
+from compression.dgc import DeepGradientCompression
 from compression.dropping import GradientDropping
 from compression.local_mix import LocalMix
 from compression.partition import BufferPartition
@@ -51,7 +53,7 @@ def _rounds(rank: int, world: int, method: str, bits: int) -> dict:
         capacity_factor=2.0,
         quantize_bits=bits,
     )
-    make = {"dropping": GradientDropping, "local_mix": LocalMix}[method]
+    make = {"dropping": GradientDropping, "local_mix": LocalMix, "dgc": DeepGradientCompression}[method]
     whole, bucketed = make(config), make(config)
     out: dict = {"whole": [], "bucketed": [], "bytes": []}
     for step in range(3):
@@ -61,24 +63,35 @@ def _rounds(rank: int, world: int, method: str, bits: int) -> dict:
         stats_whole = whole.reduce(a, ctx)
         for start, end in BUCKETS:
             bucketed.start_bucket(b, start, end, ctx)
-        assert len(bucketed.state.buckets.pending) == 2  # the two buckets that hold sparse spans
+        if method == "dgc":  # dgc sends the embedding rows through its sparse path: three buckets hold some
+            assert len(bucketed.buckets.pending) == 3
+        else:  # the two buckets that hold sparse spans
+            assert len(bucketed.state.buckets.pending) == 2
         stats_bucketed = bucketed.reduce(b, ctx)
         out["whole"].append(a)
         out["bucketed"].append(b)
         out["bytes"].append((stats_whole.bytes_sent, stats_bucketed.bytes_sent))
-    out["residuals"] = (whole.state.residual.clone(), bucketed.state.residual.clone())
+    out["residuals"] = [(_residual(whole), _residual(bucketed))]
+    if method == "dgc":
+        out["residuals"].append((whole.momentum.clone(), bucketed.momentum.clone()))
     return out
 
 
-@pytest.mark.parametrize(("method", "bits"), [("dropping", 0), ("local_mix", 0), ("dropping", 2)])
+def _residual(exchange) -> torch.Tensor:
+    if isinstance(exchange, DeepGradientCompression):
+        return exchange.velocity.clone()
+    return exchange.state.residual.clone()
+
+
+@pytest.mark.parametrize(("method", "bits"), [("dropping", 0), ("local_mix", 0), ("dropping", 2), ("dgc", 0)])
 def test_rounds_started_per_bucket_equal_one_round_over_the_buffer(method: str, bits: int):
     for got in run_ranks(_rounds, 2, method, bits):
         for whole, bucketed in zip(got["whole"], got["bucketed"]):
             assert torch.equal(whole, bucketed)
         # payload bytes agree (2-bit codes are padded to whole bytes per message: per bucket, up to 1 more)
         assert all(a > 0 and 0 <= b - a <= (len(BUCKETS) if bits else 0) for a, b in got["bytes"])
-        residual_whole, residual_bucketed = got["residuals"]
-        assert residual_whole.abs().sum() > 0 and torch.equal(residual_whole, residual_bucketed)
+        for state_whole, state_bucketed in got["residuals"]:  # the residual; dgc: velocity and momentum
+            assert state_whole.abs().sum() > 0 and torch.equal(state_whole, state_bucketed)
 
 
 def _dropped(rank: int, world: int) -> dict:
@@ -95,3 +108,19 @@ def _dropped(rank: int, world: int) -> dict:
 
 def test_dropped_buckets_leave_the_residual_and_the_step_as_they_were():
     assert all(got["kept"] for got in run_ranks(_dropped, 2))
+
+
+def _dropped_dgc(rank: int, world: int) -> dict:
+    ex = DeepGradientCompression(ExchangeConfig(method="dgc", threshold="layer", capacity_factor=2.0))
+    ctx = StepContext(step=0, world_size=world, rank=rank, layout=LAYOUT)
+    ex.reduce(_gradient(0, rank), ctx)
+    before = (ex.momentum.clone(), ex.velocity.clone(), ex.step)
+    for start, end in BUCKETS:
+        ex.start_bucket(_gradient(1, rank), start, end, ctx)
+    ex.drop_buckets()
+    same_buffers = torch.equal(before[0], ex.momentum) and torch.equal(before[1], ex.velocity)
+    return {"kept": same_buffers and before[2] == ex.step}
+
+
+def test_dropped_dgc_buckets_leave_momentum_velocity_and_step_as_they_were():
+    assert all(got["kept"] for got in run_ranks(_dropped_dgc, 2))
