@@ -58,6 +58,18 @@ RNN_NETBED_METHODS=(
   --run local_mix-replace exchange.method=local_mix
   --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 "$R"
 )
+# Step time without, with, and again without exchange.overlap at 100 Mbit/s on 2 bed hosts, in one run:
+# sparse_overlap_at_100mbit OUTPUT_NAME RUN_PREFIX EXCHANGE_SETTINGS...
+sparse_overlap_at_100mbit() {
+  local out=$1 prefix=$2
+  shift 2
+  rm -f "docs/netbed-$out.jsonl"
+  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 100mbit --steps 40 \
+    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run "$prefix-layer" "$@" \
+    --run "$prefix-layer-overlap" "$@" exchange.overlap=true --run "$prefix-layer-again" "$@" \
+    --json "docs/netbed-$out.jsonl" --out "docs/netbed-$out.md"
+}
+
 case "${1:-all}" in
 transformer|all)
   $PY bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 --skip-existing \
@@ -141,21 +153,13 @@ overlap|all)
   ;;&
 overlap-sparse|all)
   # exchange.overlap for local_mix 99% with layer thresholds: step time at 100 Mbit/s, 2 bed hosts, in one run
-  rm -f docs/netbed-overlap-sparse.jsonl
-  LAYER="exchange.method=local_mix exchange.threshold=layer exchange.warmup_steps=0"
-  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 100mbit --steps 40 \
-    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run local_mix-layer $LAYER \
-    --run local_mix-layer-overlap $LAYER exchange.overlap=true --run local_mix-layer-again $LAYER \
-    --json docs/netbed-overlap-sparse.jsonl --out docs/netbed-overlap-sparse.md
+  sparse_overlap_at_100mbit overlap-sparse local_mix \
+    exchange.method=local_mix exchange.threshold=layer exchange.warmup_steps=0
   ;;&
 overlap-dgc|all)
-  # exchange.overlap for DGC 99% with layer thresholds (no local clipping: it needs the whole gradient), 100 Mbit/s
-  rm -f docs/netbed-overlap-dgc.jsonl
-  LAYER="exchange.method=dgc exchange.threshold=layer exchange.warmup_steps=0 train.optimizer=sgd train.lr=0.3"
-  $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 --bandwidth 100mbit --steps 40 \
-    --vocab models/time-to-bleu/spm.model --common train.threads=1 --run dgc-layer $LAYER \
-    --run dgc-layer-overlap $LAYER exchange.overlap=true --run dgc-layer-again $LAYER \
-    --json docs/netbed-overlap-dgc.jsonl --out docs/netbed-overlap-dgc.md
+  # the same for DGC 99% (no local clipping: it needs the whole gradient, so overlap refuses it)
+  sparse_overlap_at_100mbit overlap-dgc dgc \
+    exchange.method=dgc exchange.threshold=layer exchange.warmup_steps=0 train.optimizer=sgd train.lr=0.3
   ;;&
 netbed-sparse|all)
   # Cost-model calibration: sparse step exchange time on 2 and 4 bed hosts at 100 Mbit/s and 1 Gbit/s
