@@ -124,11 +124,18 @@ OVERLAP_EXCHANGES = {
 OVERLAP_TRAIN = {"dgc": {"optimizer": "sgd", "lr": 0.1}}
 
 
-def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, name: str, out: Path) -> None:
+def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     info = WorkerInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     init_process_group(info, torch.device("cpu"), "gloo", 60)
+    for name in OVERLAP_EXCHANGES:  # one process group for all: spawning is most of a 3-step run's cost
+        _overlap_runs(info, corpus, tmp, name, out)
+    torch.distributed.destroy_process_group()
+
+
+def _overlap_runs(info: WorkerInfo, corpus: Path, tmp: Path, name: str, out: Path) -> None:
+    """3 steps of exchange `name` with, then without overlap; params and exchange state of each saved."""
     params, states = {}, {}
     for overlap in (True, False):
         train = {"clip_norm": 0.0, "optimizer_delay": 2, **OVERLAP_TRAIN.get(name, {})}
@@ -147,18 +154,15 @@ def _overlap_worker(rank: int, world: int, port: int, corpus: Path, tmp: Path, n
         params[overlap] = trainer.flat.params.clone()
         states[overlap] = trainer.exchange.state_dict()
         trainer.close()
-    torch.save({"params": params, "states": states}, out / f"overlap-{name}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    torch.save({"params": params, "states": states}, out / f"overlap-{name}-{info.rank}.pt")
 
 
 def test_overlapped_exchange_equals_the_exchange_after_backward(tmp_path, reverse_corpus):
     """exchange.overlap: buckets exchanged during backward give bit-identical steps (2 ranks, delay 2): dense
     and bf16 all-reduce, and dropping, local_mix and dgc rounds per bucket (residuals, DGC's velocity and
     momentum equal too)."""
+    mp.spawn(_overlap_worker, args=(2, free_port(), reverse_corpus, tmp_path, tmp_path), nprocs=2, join=True)
     for name in OVERLAP_EXCHANGES:
-        port = free_port()
-        args = (2, port, reverse_corpus, tmp_path, name, tmp_path)
-        mp.spawn(_overlap_worker, args=args, nprocs=2, join=True)
         ranks = [torch.load(tmp_path / f"overlap-{name}-{r}.pt") for r in range(2)]
         for got in ranks:
             assert torch.equal(got["params"][True], got["params"][False]), name
