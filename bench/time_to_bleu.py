@@ -4,7 +4,7 @@ Why: the claim of sparse exchange is "the same translation quality, sooner, over
 exactly that on the network test bed (bench/netbed.py: one worker per host, every link tbf-shaped), against
 the dense baselines a user would run instead (fp32 all-reduce, bf16 all-reduce, PowerSGD):
   - every run trains the make-train recipe with Adam (recipes/bible-es-en-adam.yml) for the same *training*
-    time    (train.max_train_s: validation and checkpoints do not count; their time is reported apart);
+    time (train.max_train_s: validation and checkpoints do not count; their time is reported apart);
   - dev BLEU and loss on one fixed dev subset (valid.max_sentences, greedy) every --every-s seconds of
     training time (valid.every_train_s), the same points for every method;
   - at the end, beam-5 test BLEU on all test verses with the best checkpoint (the trainer's test row);
