@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from compression.hierarchy import resolve_hierarchy
 from compression.registry import is_asynchronous, job_processes
 from nmt.cli.common import OneLineParser
-from nmt.config import Config, ConfigError, config_to_dict, dump_config, load_config
+from nmt.config import Config, ConfigError, dump_config, load_config
 from nmt.data.corpus import CorpusError, check_parallel_files
 from nmt.evaluation import bleu_metric
 from nmt.training.checkpoint import (
@@ -31,6 +32,9 @@ from nmt.training.checkpoint import (
     acquire_model_dir_lock,
     check_world_size,
     find_resume_dir,
+    load_inference_bundle,
+    repair_last_link,
+    step_checkpoints,
 )
 from nmt.training.distributed import (
     WorkerInfo,
@@ -42,6 +46,7 @@ from nmt.training.distributed import (
 from nmt.training.init_from import apply_init_from
 from nmt.training.metrics import tensorboard_problem
 from nmt.training.precision import PrecisionError, require_runnable
+from nmt.training.resume_options import check_resume_options
 from nmt.training.runner import report_failure, run_rank
 
 
@@ -89,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump_config:
         sys.stdout.write(dump_config(config))
         return 0
+    init_notes: list[str] = []
     try:
-        apply_init_from(config)  # train.init_from: same architecture, its vocabulary (every process alike)
+        apply_init_from(config, init_notes)  # train.init_from: same architecture, its vocabulary
     except ConfigError as err:
         return report_failure(str(err))
+    if not local_worker and worker_info_from_env().rank == 0:
+        for note in init_notes:
+            print(note, file=sys.stderr)
 
     hardware_problem = _hardware_problem(config)
     if hardware_problem:
@@ -108,16 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         problem = ""
         if workers > _cpu_cores() and not under_launcher() and not args.allow_oversubscribe:
             problem = _oversubscribed(config, workers, args.workers is not None)
-        problem = problem or _launch_problem(config)
+        problem = problem or _launch_problem(config) or _hierarchy_problem(config, workers)
         if problem:
             return report_failure(problem)
         try:
             lock = acquire_model_dir_lock(config.model_dir)
-            _check_resume(config, workers)
+            notes = _check_resume(config, workers)
         except (CheckpointError, CorpusError) as err:
             if lock is not None:
                 lock.release()
             return report_failure(str(err))
+        for note in notes:
+            print(note, file=sys.stderr)
     try:
         if is_asynchronous(config.exchange.method):  # dgs: N workers + 1 parameter server (docs/dgs.md)
             from nmt.training.async_trainer import main_async
@@ -190,6 +201,22 @@ def _launch_problem(config: Config) -> str:
     return _model_dir_problem(Path(config.model_dir))
 
 
+def _hierarchy_problem(config: Config, workers: int) -> str:
+    """One line for an exchange.hierarchy / node_size that this job's ranks cannot form (before launching)."""
+    if is_asynchronous(config.exchange.method):
+        return ""
+    if under_launcher():
+        info = worker_info_from_env()
+        world, per_machine = info.world_size, info.local_world_size
+    else:
+        world = per_machine = workers
+    try:
+        resolve_hierarchy(config.exchange, world, per_machine)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def _vocab_problem(key: str, value: str) -> str:
     if not value:
         return ""
@@ -238,43 +265,47 @@ def _writable_problem(key: str, directory: Path, why: str) -> str:
     return ""
 
 
-def _check_resume(config: Config, workers: int) -> None:
-    """Refuse, before launching, to resume a checkpoint with another number of processes than wrote it."""
+def _check_resume(config: Config, workers: int) -> list[str]:
+    """Before launching: what a resume starts from, and whether it can (docs/reliability.md).
+
+    A lost `last` link is rebuilt to the newest complete checkpoint (and said); another number of processes
+    than wrote the checkpoint is refused; every changed option is applied (one line each) or refused
+    (`nmt/training/resume_options.py`); a damaged `best` that the end-of-run test would read is refused now,
+    not after the training. Returns the lines to print once every check has passed (an error is then the
+    only line).
+    """
+    model_dir = Path(config.model_dir)
     if not config.train.resume:
-        return
-    ckpt = find_resume_dir(Path(config.model_dir))
+        if not step_checkpoints(model_dir):
+            return []
+        return [
+            f"nmt-train: train.resume=false: starting over in {model_dir}; its checkpoints are replaced as "
+            f"the new run saves"
+        ]
+    notes = [repair_last_link(model_dir)]
+    ckpt = find_resume_dir(model_dir)
     if ckpt is None:
-        return
+        return []
     if under_launcher():
         world = worker_info_from_env().world_size
     else:
         world = job_processes(config.exchange.method, workers)
     check_world_size(ckpt, world, servers=job_processes(config.exchange.method, 0))
-    _check_same_model(config, ckpt)
-
-
-def _check_same_model(config: Config, ckpt: Path) -> None:
-    """Refuse to resume `ckpt` with another model or vocabulary than it was trained with.
-
-    Otherwise a changed `model.*` ends in a size-mismatch traceback, and a changed `data.vocab.*` is silently
-    ignored (the saved vocabulary is used) while the new value is written into config.yml.
-    """
     try:
-        saved = config_to_dict(load_config(ckpt / "config.yml", warn_old_keys=False))  # written by us
+        saved = load_config(ckpt / "config.yml", warn_old_keys=False)  # written by us
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / 'config.yml'}: cannot be read to resume ({err})") from None
-    wanted = config_to_dict(config)
-    for section, old, new in (
-        ("model", saved["model"], wanted["model"]),
-        ("data.vocab", saved["data"]["vocab"], wanted["data"]["vocab"]),
-    ):
-        for key in old:
-            if old[key] != new.get(key):
-                raise CheckpointError(
-                    f"{section}.{key} is {new.get(key)!r} but {ckpt.parent} was trained with {old[key]!r}; a "
-                    f"resumed run keeps its model and vocabulary: set it back, or use another model_dir (or "
-                    f"train.resume=false) to start over"
-                )
+    notes += check_resume_options(saved, config, model_dir)
+    best = model_dir / "best"
+    if config.valid.test_at_end and config.data.test.src and (best.is_symlink() or best.exists()):
+        try:
+            load_inference_bundle(best)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise CheckpointError(
+                f"{err}; the test at the end of training reads {best}: point it at another checkpoint "
+                f"(ln -sfn step-N {best}) or remove the link"
+            ) from None
+    return [note for note in notes if note]
 
 
 def _hardware_problem(config: Config) -> str:

@@ -15,6 +15,7 @@ the training job that uses the directory (see `acquire_model_dir_lock`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -56,6 +57,17 @@ def _reason(err: BaseException) -> str:
         return err.strerror
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
+
+
+def _write_torch(obj: Any, path: Path) -> None:
+    """torch.save through a buffer and a plain file write, so that a full disk or a size limit surfaces as
+    the OSError it is ("No space left on device"), not as torch's zip writer's "unexpected pos"."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as handle:
+        handle.write(buffer.getbuffer())
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def step_dir_name(step: int) -> str:
@@ -135,8 +147,8 @@ class CheckpointWriter:
                 self._failed(final, tmp, err)
         self.barrier()
         try:
-            torch.save(rank_state, tmp / rank_state_file(self.rank))
-        except (OSError, RuntimeError) as err:  # torch's zip writer reports a failed write as RuntimeError
+            _write_torch(rank_state, tmp / rank_state_file(self.rank))
+        except OSError as err:
             self._failed(final, tmp, err)
         self.barrier()
         if self.rank == 0:
@@ -145,7 +157,7 @@ class CheckpointWriter:
                     "model": _detached(model_state),
                     "ema": _detached(ema_state) if ema_state else None,
                 }
-                torch.save(weights, tmp / MODEL_FILE)
+                _write_torch(weights, tmp / MODEL_FILE)
                 save_config(config, tmp / "config.yml")
                 _copy_vocabs(vocabs, tmp)
                 (tmp / META_FILE).write_text(
@@ -246,11 +258,66 @@ def restore_best_link(model_dir: Path) -> Path | None:
     return target
 
 
+def _usable(link: Path) -> bool:
+    return link.is_symlink() and link.resolve().is_dir()
+
+
+def step_checkpoints(model_dir: Path) -> list[Path]:
+    """The step-* checkpoint directories of a model directory, oldest first."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(p for p in model_dir.glob("step-*") if p.is_dir() and not p.is_symlink())
+
+
+def checkpoint_complete(ckpt: Path) -> bool:
+    """Every file a resume reads is there: weights, config, vocabulary, meta and each rank's state."""
+    try:
+        meta = json.loads((ckpt / META_FILE).read_text(encoding="utf-8"))
+        world = int(meta.get("world_size", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    files = [MODEL_FILE, "config.yml", VOCAB_FILE, *(rank_state_file(r) for r in range(world))]
+    return all((ckpt / name).is_file() for name in files)
+
+
 def find_resume_dir(model_dir: Path) -> Path | None:
+    """The checkpoint a run in `model_dir` resumes from: the one `last` points to; None for a fresh start.
+
+    A model directory whose checkpoints have lost their `last` link is repaired before any worker starts
+    (`repair_last_link`); meeting one here anyway is a one-line `CheckpointError`, never a silent restart.
+    """
     last = model_dir / "last"
-    if last.is_symlink() and last.resolve().is_dir():
+    if _usable(last):
         return last.resolve()
+    if step_checkpoints(model_dir):
+        raise CheckpointError(
+            f"{last} is missing or points nowhere but {model_dir} holds checkpoints; run nmt-train again (it "
+            f"relinks the newest complete one) or set train.resume=false to start over"
+        )
     return None
+
+
+def repair_last_link(model_dir: Path) -> str:
+    """(before any worker starts) Point a lost or dangling `last` at the newest complete checkpoint.
+
+    Returns the line to print ("" when `last` was fine or there is nothing to resume); raises
+    `CheckpointError` (one line) when checkpoints exist but none is complete.
+    """
+    last = model_dir / "last"
+    steps = step_checkpoints(model_dir)
+    if _usable(last) or not steps:
+        return ""
+    complete = [ckpt for ckpt in steps if checkpoint_complete(ckpt)]
+    lost = "points to a checkpoint that is gone" if last.is_symlink() else "is missing"
+    if not complete:
+        raise CheckpointError(
+            f"{last} {lost} and none of the {len(steps)} checkpoints in {model_dir} is complete (each lacks "
+            f"{MODEL_FILE}, {META_FILE} or a rank's state); restore one, or set train.resume=false (or use "
+            f"another model_dir) to start over"
+        )
+    newest = complete[-1]
+    _atomic_symlink(newest.name, last)
+    return f"nmt-train: {last} {lost}; resuming from {newest.name}, the newest complete checkpoint"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -303,7 +370,20 @@ def _torch_load(path: Path, what_to_do: str, weights_only: bool = True) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing from the checkpoint; {what_to_do}") from None
     except Exception as err:  # a corrupt file surfaces as any of pickle's, zip's or torch's errors
-        raise CheckpointError(f"{path}: cannot be read ({_reason(err)}); {_BROKEN}; {what_to_do}") from None
+        reason = _load_reason(err)
+        raise CheckpointError(f"{path}: cannot be read ({reason}); {_BROKEN}; {what_to_do}") from None
+
+
+def _load_reason(err: BaseException) -> str:
+    """Why torch.load failed, in words that fit a user's line: an OS error as it is, anything else is a file
+    that is not a checkpoint (torch's own text may advise `weights_only=False`, which would run the file's
+    code: not advice to pass on for a damaged file)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    text = str(err)
+    if "central directory" in text or "zip archive" in text:
+        return "not a complete PyTorch archive"
+    return "not a PyTorch checkpoint"
 
 
 def _weights(path: Path, what_to_do: str) -> dict[str, Any]:

@@ -26,6 +26,11 @@ class TrainConfig:
     # Steps whose loss or gradient is NaN/inf on any rank are skipped on every rank (and counted in the log);
     # after this many in a row the run stops with an error (0 = never stop). fp16 overflow skips count too.
     max_bad_steps: int = 20
+    # Divergence watch (Marian's --throw-on-divergence): stop when the mean training loss of the last
+    # divergence_window steps exceeds the best earlier window's mean (the first step's loss before one exists)
+    # by more than divergence_margin; window 0 = off. Nothing diverged is saved (docs/reliability.md).
+    divergence_window: int = 100
+    divergence_margin: float = 0.5  # how far above the best window's mean loss, as a fraction: 0.5 = 50%
     # auto (bf16 where the hardware runs it natively: CUDA with bf16, CPUs with AVX512-BF16/AMX; else fp32)
     # | fp32 | bf16 (autocast; emulated and ~20x slower on other CPUs) | fp16 (CUDA, with loss scaling)
     precision: str = "auto"
@@ -86,6 +91,7 @@ class TrainConfig:
             ("max_train_s", " (0 = no limit)"),
             ("save_every", " (0 = only at the end)"),
             ("max_bad_steps", " (0 = never stop on NaN/inf steps)"),
+            ("divergence_window", " (0 = no divergence watch)"),
             ("warmup_steps", ""),
             ("threads", " (0 = cores / local workers)"),
             ("clip_norm", " (0 = no clipping)"),
@@ -95,6 +101,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"train.{name} must be >= 0{meaning}, got {value}")
+        if self.divergence_margin <= 0:
+            raise ValueError(
+                f"train.divergence_margin must be > 0 (a fraction above the best loss, e.g. 0.5), got "
+                f"{self.divergence_margin}"
+            )
         if not 0 <= self.momentum < 1:
             raise ValueError(f"train.momentum must be in [0, 1), got {self.momentum}")
 

@@ -10,7 +10,6 @@ caller's business: it swaps them in around these calls.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from contextlib import AbstractContextManager
@@ -28,6 +27,7 @@ from nmt.data.vocab import Vocab
 from nmt.decoding.translator import Translator
 from nmt.evaluation import Scores, score_corpus
 from nmt.models.loss import label_smoothed_cross_entropy
+from nmt.training.checkpoint import load_inference_bundle
 from nmt.training.metrics import MetricsLog, Progress
 
 
@@ -185,10 +185,10 @@ class Evaluator:
         data = self.config.data
         step = current_step
         best = Path(self.config.model_dir) / "best"
-        if best.exists():
-            weights = torch.load(best / "model.pt", map_location="cpu", weights_only=True)
-            self.model.load_state_dict(weights["ema"] or weights["model"])
-            step = json.loads((best / "meta.json").read_text())["step"]
+        if best.exists():  # checked as nmt-translate checks a model (and by nmt-train before training)
+            bundle = load_inference_bundle(best)
+            self.model.load_state_dict(bundle.state_dict)
+            step = int(bundle.meta.get("step", current_step))
         src, refs = read_lines(data.test.src), read_lines(data.test.tgt)
         hyps = self.translate(src, for_test=True)
         if self.is_main:

@@ -55,10 +55,18 @@ def _saved_vocab_names(ckpt: Path) -> dict[str, str]:
     return names
 
 
-def apply_init_from(config: Config) -> Path | None:
+# data.vocab: keys that describe how a vocabulary is trained; with init_from the checkpoint's vocabulary is
+# used as it is, so the run records the checkpoint's values (and says so where the config asked otherwise).
+TRAINING_VOCAB_KEYS = ("size", "type", "character_coverage", "train_sentences")
+
+
+def apply_init_from(config: Config, notes: list[str] | None = None) -> Path | None:
     """Check `config` against the `train.init_from` checkpoint and point `data.vocab` at the copies of its
     vocabulary in model_dir (made by `copy_init_vocabulary`). Every process calls it on its own config, so all
-    agree; returns the checkpoint (None without init_from). Raises `ConfigError` naming the key."""
+    agree; returns the checkpoint (None without init_from). Raises `ConfigError` naming the key.
+
+    `notes` (the launcher's) receives one line per `data.vocab` training option the config sets to another
+    value than the checkpoint's vocabulary was trained with: unused, and config.yml records the real one."""
     ckpt = init_checkpoint(config)
     if ckpt is None:
         return None
@@ -92,6 +100,14 @@ def apply_init_from(config: Config) -> Path | None:
                 f"{key} {given} is not the vocabulary of train.init_from {config.train.init_from} "
                 f"({theirs}); a model keeps its vocabulary: drop {key} (the run then uses {theirs.name})"
             )
+    for key in TRAINING_VOCAB_KEYS:
+        theirs_value, ours = getattr(saved.data.vocab, key), getattr(vocab, key)
+        if ours != theirs_value and notes is not None:
+            notes.append(
+                f"nmt-train: data.vocab.{key}={ours!r} is not used: the vocabulary comes from "
+                f"train.init_from {config.train.init_from} ({key} {theirs_value!r}, recorded in config.yml)"
+            )
+        setattr(vocab, key, theirs_value)
     if joint:
         vocab.model = str(model_dir / JOINT)
     else:

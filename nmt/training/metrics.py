@@ -59,7 +59,7 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool, resume_step: int = 0, tensorboard: bool = False) -> None:
         self.path = path
         self.enabled = enabled
-        if enabled and resume_step > 0 and path.exists():
+        if enabled and path.exists():  # a fresh start (step 0) keeps no row of an earlier run
             self._truncate_after(resume_step)
         self.board = None
         if enabled and tensorboard:

@@ -102,10 +102,12 @@ class OverlapStep:
         self.scale = scale
         self.exchange = exchange
         self.ctx = ctx
-        self.non_finite = torch.zeros((), dtype=torch.bool, device=flat_grad.device)
+        # The squared fp32 norm of this rank's scaled gradient, bucket by bucket: NaN/inf when any value is,
+        # or when the norm overflows (the trainer's bad-step test, as on the whole buffer without overlap).
+        self.square_sum = torch.zeros((), device=flat_grad.device)
 
     def launch(self, start: int, end: int) -> None:
         bucket = self.flat_grad[start:end]
-        self.non_finite |= ~torch.isfinite(bucket.sum())  # this rank's own values, before they leave
         bucket.mul_(self.scale)
+        self.square_sum += torch.dot(bucket, bucket)  # this rank's own values, before they leave
         self.exchange.start_bucket(self.flat_grad, start, end, self.ctx)

@@ -7,10 +7,14 @@ So the choice is made from the hardware: a capability query (CPU flags through t
 where no query can answer (CPUs other than x86), a short timed bf16 and fp32 matmul.
 
 `fp16` needs CUDA (it trains with loss scaling); elsewhere it is a configuration error.
+
+`NMT_CPU_BF16=0` (or `1`) in the environment makes `auto` treat this CPU as one without (with) native bf16,
+whatever its flags say: how the test suite is run here as it runs on the other CPU kind (docs/training.md).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+CPU_BF16_ENV = "NMT_CPU_BF16"
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 
 
@@ -101,11 +106,30 @@ def query_cpu_bf16() -> bool | None:
     return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
+def forced_cpu_bf16() -> bool | None:
+    """What `NMT_CPU_BF16` says of this CPU (1: native bf16, 0: none), or None when it is not set.
+
+    Raises PrecisionError (one line) for any other value.
+    """
+    value = os.environ.get(CPU_BF16_ENV, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise PrecisionError(f"{CPU_BF16_ENV}={value!r} in the environment must be 0 or 1 (or unset)")
+    return value == "1"
+
+
 def cpu_bf16_support(
     query: Callable[[], bool | None] = query_cpu_bf16,
     measure: Callable[[], float] = measure_bf16_slowdown,
 ) -> Bf16Support:
-    """Native bf16 on this CPU: from the flags where they answer, otherwise from a timed matmul."""
+    """Native bf16 on this CPU: from NMT_CPU_BF16 if set, else the flags where they answer, else a timing."""
+    forced = forced_cpu_bf16()
+    if forced is not None:
+        kind = "native" if forced else "no native"
+        return Bf16Support(
+            forced, f"{CPU_BF16_ENV}={int(forced)} in the environment: taken as a CPU with {kind} bf16"
+        )
     answer = query()
     if answer is True:
         return Bf16Support(True, "this CPU executes bf16 natively (AVX512-BF16/AMX)")
@@ -132,6 +156,8 @@ def require_runnable(requested: str, device_type: str) -> None:
     """Raise PrecisionError (one line) for a precision this device cannot run at all."""
     if requested not in PRECISIONS:
         raise PrecisionError(f"train.precision must be one of {' | '.join(PRECISIONS)}, got {requested!r}")
+    if device_type == "cpu":
+        forced_cpu_bf16()  # a bad NMT_CPU_BF16 is one line before any worker starts
     if requested == "fp16" and device_type != "cuda":
         raise PrecisionError(
             "train.precision=fp16 needs CUDA (loss-scaled fp16); use train.precision=auto (bf16 where "
@@ -166,12 +192,13 @@ def choose_precision(
     if found.native or device_type != "cpu":
         return PrecisionChoice("bf16", f"precision bf16: {found.reason}")
     factor = slowdown()
+    measured = f"{factor:.1f}x slower than" if factor >= 1 else f"{factor:.1f}x the time of"
     return PrecisionChoice(
         "bf16",
         "precision bf16 (as configured)",
         warning=(
             f"train.precision=bf16 but {found.reason}: PyTorch emulates it, and a bf16 matmul measured "
-            f"{factor:.1f}x slower than fp32 here; use train.precision=auto or fp32 to train at full speed"
+            f"{measured} fp32 here; use train.precision=auto or fp32 to train at full speed"
         ),
     )
 
@@ -179,3 +206,21 @@ def choose_precision(
 def resolve_precision(requested: str, device: torch.device) -> PrecisionChoice:
     """`choose_precision` with this machine's answers."""
     return choose_precision(requested, device.type, lambda: bf16_support(device))
+
+
+def describe_cpu() -> str:
+    """One line: this CPU, whether its flags show native bf16, and what `train.precision: auto` picks here."""
+    name = platform.processor() or platform.machine()
+    flags = _cpu_flags_from_proc()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    kinds = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flags and flag in flags]
+    choice = choose_precision("auto", "cpu", cpu_bf16_support)
+    return f"CPU: {name}; flags: {' '.join(kinds) or 'unknown'}; {choice.message}"
+
+
+if __name__ == "__main__":  # python -m nmt.training.precision: what .ci/run prints first
+    print(describe_cpu())

@@ -19,6 +19,7 @@ class StepResult:
     grad_norm: float
     exchange_s: float  # wall time of exchange.reduce + after_step
     validate: bool = False  # some rank's training clock crossed valid.every_train_s: all validate now
+    skipped: bool = False  # NaN/inf in some rank's loss or gradient norm: no update was applied
 
 
 @dataclass
@@ -30,7 +31,9 @@ class LogInterval(TokenTotals):
     seconds: float = 0.0  # in training steps only (validation and checkpoints excluded)
 
     def add(self, result: StepResult, seconds: float) -> None:
-        self.add_step(result.loss_sum, result.nll_sum, result.tokens)
+        nan = float("nan")  # the log shows a skipped step as such
+        loss, nll = (nan, nan) if result.skipped else (result.loss_sum, result.nll_sum)
+        self.add_step(loss, nll, result.tokens)
         self.bytes += result.stats.bytes_sent
         self.exchange_s += result.exchange_s
         self.seconds += seconds
@@ -57,4 +60,7 @@ class RunState(ValidationRecord):
     tokens_seen: int = 0
     skipped_steps: int = 0  # steps skipped because some rank's loss or gradient was NaN/inf
     bad_steps_in_row: int = 0
+    last_loss_finite: bool = (
+        True  # the last step's loss; NaN/inf means the weights cannot be saved as they are
+    )
     history: list[dict[str, float]] = field(default_factory=list)

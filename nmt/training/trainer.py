@@ -1,8 +1,9 @@
 """The training loop: one explicit update step, validation, checkpoints, limits, metrics.
 
 The update step (`Trainer.train_step`) reads top to bottom:
+    one tiny all_reduce of the step's target tokens        (global normalisation, known before backward)
     micro-batches -> backward into the flat gradient buffer (delayed update, no exchange in between)
-    one small all_reduce of [tokens, loss, votes]          (global normalisation; agreement to stop/validate)
+    scale; one small all_reduce of [loss, votes]           (agreement to skip a bad step, stop, validate)
     exchange.reduce(flat_grad)                             the ONE place where ranks exchange gradients
     clip -> optimizer.step -> scheduler.step
     exchange.after_step(flat_params)                       parameter averaging, delayed synchronisation
@@ -12,6 +13,7 @@ The update step (`Trainer.train_step`) reads top to bottom:
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,12 @@ from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.cadence import Cadence
 from nmt.training.checkpoint import find_resume_dir, restore_best_link
 from nmt.training.distributed import WorkerInfo
+from nmt.training.divergence import DivergenceWatch
 from nmt.training.errors import TrainingDiverged
 from nmt.training.evaluator import Evaluator, Shard
 from nmt.training.metrics import Limits, MetricsLog, Progress
 from nmt.training.overlap import BackwardBuckets, OverlapStep
+from nmt.training.resume_options import apply_train_options
 from nmt.training.saving import RunCheckpoints
 from nmt.training.setup import build_run, lr_factor
 from nmt.training.smoothing import SmoothedWeights
@@ -81,6 +85,10 @@ class Trainer:
         self.autocast = self.precision.autocast(device.type)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision.precision == "fp16" else None
         self.cadence = Cadence(train, config.valid)
+        self.divergence = DivergenceWatch(train.divergence_window, train.divergence_margin)
+        self.last_batches: list[Batch] = []
+        self.last_step_loss = float("nan")  # per token, of the weights before the last step's update
+        self.judged_step = -1
 
         self.batches = self.setup.train_batches(info.rank, info.world_size)
         self.state = RunState()
@@ -135,36 +143,48 @@ class Trainer:
     ) -> StepResult:
         """One optimizer step over `micro_batches` (delayed update); every rank calls it together."""
         self.model.train()
+        self.last_batches = micro_batches  # what the weights after this step are judged on before a save
         flat_grad = self.flat.grads
         touched = self._touched_rows(micro_batches)
-        overlap = self._start_overlap(micro_batches, touched) if self.buckets is not None else None
+        # The global token count before backward (one tiny all-reduce), so that the gradient can be scaled as
+        # it completes: world_size * grad / global_tokens, averaged over ranks, is exactly the per-token
+        # gradient of the union of the batches.
+        global_tokens = self._global_tokens(micro_batches)
+        scale = self._gradient_scale(global_tokens)
+        overlap = (
+            OverlapStep(flat_grad, scale, self.exchange, self.context(touched))
+            if self.buckets is not None
+            else None
+        )
         loss_sum = torch.zeros((), device=self.device)
         nll_sum = torch.zeros((), device=self.device)
-        tokens = 0
         for i, batch in enumerate(micro_batches):
             if overlap is not None and i == len(micro_batches) - 1:
                 self.buckets.arm(overlap.launch)  # exchange.overlap: buckets leave during this backward
             with self.autocast:
                 logits = self.model(batch.src, batch.tgt_in)
-            loss, nll, n_tokens = label_smoothed_cross_entropy(
+            loss, nll, _ = label_smoothed_cross_entropy(
                 logits, batch.tgt_out, self.config.train.label_smoothing, self.model.pad_id
             )
             (self.scaler.scale(loss) if self.scaler else loss).backward()  # sums into the flat buffer
             loss_sum += loss.detach()
             nll_sum += nll.detach()
-            tokens += n_tokens
 
-        if overlap is not None:  # every bucket is on the wire now, scaled; `reduce` below waits for them
+        # A bad step: NaN/inf in this rank's loss, or in the fp32 norm of its scaled gradient (NaN/inf values,
+        # or values so large that the norm overflows: a diverging run's gradient reaches that while finite).
+        if (
+            overlap is not None
+        ):  # every bucket is on the wire now, scaled and checked; `reduce` waits for them
             self.buckets.flush()
-            non_finite = overlap.non_finite | ~torch.isfinite(loss_sum)
-        else:  # NaN/inf anywhere in this rank's loss or gradient (a NaN or an inf makes the sum non-finite)
-            non_finite = ~torch.isfinite(loss_sum + flat_grad.sum())
+            gradient_square = overlap.square_sum
+        else:
+            flat_grad.mul_(scale)
+            gradient_square = torch.dot(flat_grad, flat_grad)
+        non_finite = ~torch.isfinite(loss_sum + gradient_square)
 
-        # Global token count, loss and stop vote in one tiny collective: the average over ranks of
-        # world_size * grad / global_tokens is exactly the per-token gradient of the union of the batches.
+        # Loss, stop vote and bad-step vote in one tiny collective.
         control = torch.stack(
             [
-                torch.tensor(float(tokens), device=self.device),
                 loss_sum,
                 nll_sum,
                 torch.tensor(float(stop_vote), device=self.device),
@@ -174,12 +194,11 @@ class Trainer:
         )
         if self.info.world_size > 1:
             dist.all_reduce(control, group=self.group)
-        global_tokens, global_loss, global_nll, votes, validate_votes, bad_ranks = control.tolist()
+        global_loss, global_nll, votes, validate_votes, bad_ranks = control.tolist()
         # Every rank skips a step where any rank saw NaN/inf (fp16 overflow, or divergence), all together.
         skip = bad_ranks > 0
         self._count_non_finite(skip)
-        if overlap is None:
-            flat_grad.mul_(self._gradient_scale(global_tokens))
+        self.state.last_loss_finite = math.isfinite(global_loss)
 
         grad_norm = float("nan")
         stats, exchange_s = ExchangeStats(), 0.0
@@ -205,10 +224,8 @@ class Trainer:
             self._exchange_on_optimizer()
             self.smoothed.update()
         flat_grad.zero_()
-        if skip:
-            global_loss = global_nll = float("nan")  # the log shows the skipped step as such
         return StepResult(
-            global_loss,
+            global_loss,  # the loss of the weights before the step, also when the step was skipped
             global_nll,
             int(global_tokens),
             votes > 0,
@@ -216,6 +233,7 @@ class Trainer:
             grad_norm,
             exchange_s,
             validate_votes > 0,
+            skipped=skip,
         )
 
     def _gradient_scale(self, global_tokens: float) -> float:
@@ -225,15 +243,14 @@ class Trainer:
             scale /= self.scaler.get_scale()
         return scale
 
-    def _start_overlap(self, micro_batches: list[Batch], touched: dict[str, torch.Tensor]) -> OverlapStep:
-        """exchange.overlap: the global token count before backward (one tiny all-reduce), so that each
-        bucket can be scaled exactly as the whole buffer is without overlap, then sent."""
+    def _global_tokens(self, micro_batches: list[Batch]) -> float:
+        """The target tokens of this step's batches on all ranks together (one tiny all-reduce)."""
         step_tokens = sum(int(b.tgt_out.ne(self.model.pad_id).sum()) for b in micro_batches)
+        if self.info.world_size == 1:
+            return float(step_tokens)
         total = torch.tensor([float(step_tokens)], device=self.device)
         dist.all_reduce(total, group=self.group)
-        return OverlapStep(
-            self.flat.grads, self._gradient_scale(float(total.item())), self.exchange, self.context(touched)
-        )
+        return float(total.item())
 
     def _count_non_finite(self, skip: bool) -> None:
         """Count skipped steps; stop the run (every rank together) after train.max_bad_steps in a row."""
@@ -244,29 +261,66 @@ class Trainer:
         self.state.bad_steps_in_row += 1
         limit = self.config.train.max_bad_steps
         if limit and self.state.bad_steps_in_row >= limit:
-            raise TrainingDiverged(
-                f"step {self.state.step + 1}: the loss or the gradients were NaN/inf in {limit} consecutive "
-                f"steps (train.max_bad_steps); the run diverged and nothing of it was saved: lower train.lr "
-                f"(now {self.config.train.lr:g}) or raise train.warmup_steps, then rerun (it resumes from "
-                f"{self._last_checkpoint_name()})"
+            raise self._diverged(
+                self.state.step + 1,
+                f"the loss or the gradients were NaN/inf in {limit} consecutive steps (train.max_bad_steps)",
             )
 
-    def _last_checkpoint_name(self) -> str:
+    def _diverged(self, step: int, what: str) -> TrainingDiverged:
+        """The one line a diverged run stops with: the step, what was seen, the checkpoint a rerun resumes."""
         last = self.model_dir / "last"
-        return f"{self.model_dir.name}/{last.resolve().name}" if last.is_symlink() else "the start"
+        resumes = (
+            f"it resumes from {self.model_dir.name}/{last.resolve().name} with the new value"
+            if last.is_symlink()
+            else "there is no earlier checkpoint: it starts afresh"
+        )
+        return TrainingDiverged(
+            f"step {step}: {what}; the run diverged and nothing of it was saved: lower train.lr (now "
+            f"{self.config.train.lr:g}) or raise train.warmup_steps, then rerun ({resumes})"
+        )
 
-    def _check_finite_weights(self) -> None:
-        """Never validate, save or link a model holding NaN/inf (all ranks hold the same synchronised one)."""
+    def _watch_divergence(self, result: StepResult) -> None:
+        """Stop (every rank together: they all see the same loss) when the loss has run away."""
+        self.last_step_loss = result.loss_sum / max(result.tokens, 1)
+        reason = self.divergence.observe(self.last_step_loss)
+        if reason is not None:
+            raise self._diverged(self.state.step, reason)
+
+    def _check_trustworthy_weights(self) -> None:
+        """Never validate, save or link a model holding NaN/inf, one whose last loss was NaN/inf, or one whose
+        loss on the last step's batches has run away (all ranks hold the same synchronised model)."""
+        if not self.state.last_loss_finite:
+            raise self._diverged(
+                self.state.step,
+                "the loss of the last step was NaN/inf, so the weights that produced it cannot be trusted",
+            )
         tensors = [("parameters", self.flat.params)] + (
             [("smoothed weights", self.ema)] if self.ema is not None else []
         )
         for what, tensor in tensors:
             if not bool(torch.isfinite(tensor.sum())):
-                raise TrainingDiverged(
-                    f"step {self.state.step}: the {what} hold NaN/inf; the run diverged and they were not "
-                    f"saved: lower train.lr (now {self.config.train.lr:g}), then rerun (it resumes from "
-                    f"{self._last_checkpoint_name()})"
-                )
+                raise self._diverged(self.state.step, f"the {what} hold NaN/inf")
+        if self.last_batches and self.judged_step != self.state.step:
+            self.judged_step = self.state.step  # validation and the save at one step judge once
+            reason = self.divergence.judge(self._loss_after_update(), self.last_step_loss)
+            if reason is not None:
+                raise self._diverged(self.state.step, f"the weights after this step diverged: {reason}")
+
+    @torch.no_grad()
+    def _loss_after_update(self) -> float:
+        """Per-token training loss of the current weights on the last step's batches, over all ranks."""
+        self.model.eval()  # no dropout: no random stream is consumed, so an exact resume is unaffected
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.last_batches:
+            with self.autocast:
+                logits = self.model(batch.src, batch.tgt_in)
+            loss, _, n_tokens = label_smoothed_cross_entropy(
+                logits, batch.tgt_out, self.config.train.label_smoothing, self.model.pad_id
+            )
+            totals += torch.tensor([float(loss), float(n_tokens)], dtype=torch.float64, device=self.device)
+        if self.info.world_size > 1:
+            dist.all_reduce(totals, group=self.group)
+        return float(totals[0] / max(float(totals[1]), 1.0))
 
     def _exchange_on_optimizer(self) -> None:
         """The exchange knows what it just did (SBC: what it sent, for momentum masking); the trainer owns the
@@ -329,6 +383,7 @@ class Trainer:
             wall = time.perf_counter() - start
             vote = self._limit_reached(wall, upcoming_step=self.state.step + 1)
             result = self.train_step(micro, stop_vote=vote, validate_vote=self._validation_clock_due())
+            self._watch_divergence(result)  # before anything is logged as valid, validated or saved
             step_s = time.perf_counter() - step_started
             self.state.wall_s = time.perf_counter() - start
             self.state.train_s += step_s
@@ -437,7 +492,7 @@ class Trainer:
     def validate(self, progress: Progress) -> tuple[bool, bool]:
         """Dev loss, BLEU and chrF on the synchronised (and smoothed) model; returns (improved, stop)."""
         self.synchronize()
-        self._check_finite_weights()
+        self._check_trustworthy_weights()
         counters = {
             "wall_s": round(self.state.wall_s, 3),
             "train_s": round(self.state.train_s, 3),
@@ -461,7 +516,7 @@ class Trainer:
         `finished`: the run ends here (a limit or early stopping); rerunning the same command is then a no-op.
         """
         self.synchronize()
-        self._check_finite_weights()
+        self._check_trustworthy_weights()
         rank_state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -469,6 +524,7 @@ class Trainer:
             "data": self.batches.state_dict(),
             "run": self.state.__dict__.copy(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
+            "divergence": self.divergence.state_dict(),
         }
         meta = {
             "best_bleu": self.state.best_bleu,
@@ -485,9 +541,11 @@ class Trainer:
         state, meta = self.checkpoints.load(ckpt)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_train_options(self.optimizer, self.scheduler, self.config.train)  # changed values apply now
         self.exchange.load_state_dict(state["exchange"])
         self.batches.load_state_dict(state["data"])
         self.state = RunState(**state["run"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        self.divergence.load_state_dict(state.get("divergence", {}))
         return meta

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -123,21 +125,41 @@ def test_early_stopping_and_wall_limit(write_config, tmp_path):
 
 
 def test_precision_auto_is_chosen_from_the_hardware_and_said_once(write_config):
-    from nmt.training.precision import query_cpu_bf16
+    from nmt.training.precision import cpu_bf16_support
 
-    result = run_cli("nmt.cli.train", "--config", str(write_config(max_steps=4)), "--workers", "2")
+    config = write_config(max_steps=4, precision="auto")
+    result = run_cli("nmt.cli.train", "--config", str(config), "--workers", "2")
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "precision auto -> " in line]
     assert len(lines) == 1, result.stderr
-    if query_cpu_bf16() is False:
-        assert "precision auto -> fp32: this CPU has no native bf16" in lines[0]
-    elif query_cpu_bf16() is True:
-        assert "precision auto -> bf16" in lines[0]
+    support = cpu_bf16_support()  # the flags, or NMT_CPU_BF16 when the suite runs as on the other CPU kind
+    assert f"precision auto -> {'bf16' if support.native else 'fp32'}: {support.reason}" in lines[0]
+
+
+def test_nmt_cpu_bf16_makes_auto_pick_the_other_cpu_kinds_precision(write_config, tmp_path):
+    """NMT_CPU_BF16=0/1 overrides the flags (how the suite runs here as on the other CPU kind)."""
+    config = write_config(max_steps=2, precision="auto", _extra={"valid": {"every": 0, "test_at_end": False}})
+    for value, chosen in (("0", "fp32"), ("1", "bf16")):
+        result = run_cli(
+            "nmt.cli.train",
+            "--config",
+            str(config),
+            f"model_dir={tmp_path / value}",
+            env={"NMT_CPU_BF16": value},
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"precision auto -> {chosen}: NMT_CPU_BF16={value} in the environment" in result.stderr
+        assert json.loads((tmp_path / value / "last" / "meta.json").read_text())["precision"] == chosen
+    bad = run_cli("nmt.cli.train", "--config", str(config), env={"NMT_CPU_BF16": "yes"})
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "nmt-train: error: NMT_CPU_BF16='yes' in the environment must be 0 or 1 (or unset)"
+    )
 
 
 def test_explicit_bf16_trains_everywhere_and_warns_where_it_is_emulated(write_config, tmp_path):
     """The bf16 autocast path runs on every CPU (tiny model, so emulation costs seconds, not hours)."""
-    from nmt.training.precision import query_cpu_bf16
+    from nmt.training.precision import cpu_bf16_support
 
     config = write_config(max_steps=6, precision="bf16", log_every=2)
     result = run_cli("nmt.cli.train", "--config", str(config))
@@ -145,10 +167,10 @@ def test_explicit_bf16_trains_everywhere_and_warns_where_it_is_emulated(write_co
     losses = train_losses(tmp_path / "model")
     assert sorted(losses) == [2, 4, 6] and losses[6] < losses[2]
     warnings = [line for line in result.stderr.splitlines() if "warning: train.precision=bf16" in line]
-    if query_cpu_bf16() is False:
-        assert len(warnings) == 1 and "slower than fp32 here" in warnings[0], result.stderr
-    elif query_cpu_bf16() is True:
+    if cpu_bf16_support().native:  # the flags, or NMT_CPU_BF16 when the suite runs as on the other kind
         assert not warnings, result.stderr
+    else:
+        assert len(warnings) == 1 and " fp32 here; use train.precision=auto" in warnings[0], result.stderr
 
 
 def test_fp16_without_cuda_is_refused_in_one_line_before_any_worker_starts(write_config, tmp_path):

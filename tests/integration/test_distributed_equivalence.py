@@ -1,10 +1,17 @@
-"""Dense exchange: 2 gloo workers with half batches take the same step as 1 worker with the full batch."""
+"""Dense exchange: 2 gloo workers with half batches take the same step as 1 worker with the full batch.
+
+In fp32 the two agree to float rounding (1e-6). In bf16 the forward pass rounds its activations to 8
+significant bits (unit roundoff 2^-8), and the split and the concatenated batch pad to different widths, so
+their matmuls round differently: the parameter updates may then differ by a few such roundings, and the bound
+is 2^-6 of the update's norm (measured: 0.0028 after 3 steps, against 0.0066 between bf16 and fp32 runs).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -37,31 +44,52 @@ def _concat(a: Batch, b: Batch) -> Batch:
     )
 
 
-def _config(corpus: Path, model_dir: Path):
+def _config(corpus: Path, model_dir: Path, precision: str = "fp32"):
     tree = tiny_config_dict(
-        corpus, model_dir, clip_norm=0.0, warmup_steps=0, lr_schedule="constant", lr=0.5, optimizer="sgd"
+        corpus,
+        model_dir,
+        clip_norm=0.0,
+        warmup_steps=0,
+        lr_schedule="constant",
+        lr=0.5,
+        optimizer="sgd",
+        precision=precision,
     )  # SGD: the parameter change is the gradient itself, no Adam rescaling
     return config_from_dict(tree)
 
 
+BF16_RELATIVE_BOUND = 2.0**-6  # a few bf16 roundings (2^-8 each) of the update; see the module docstring
+
+
+def _assert_same_update(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor, precision: str) -> None:
+    assert not torch.allclose(want, start, atol=1e-4)  # the steps did something
+    if precision == "fp32":
+        assert (got - want).abs().max() < 1e-6
+    else:
+        relative = float((got - want).norm() / (want - start).norm())
+        assert relative < BF16_RELATIVE_BOUND, relative
+
+
 def _worker(
-    rank: int, world: int, port: int, corpus: Path, model_dir: Path, batches: list, out: Path
+    rank: int, world: int, port: int, corpus: Path, model_dir: Path, batches: list, out: Path, precision: str
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     info = WorkerInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     init_process_group(info, torch.device("cpu"), "gloo", 60)
-    trainer = Trainer(_config(corpus, model_dir), info, torch.device("cpu"))
+    trainer = Trainer(_config(corpus, model_dir, precision), info, torch.device("cpu"))
     for step_batches in batches:
         trainer.train_step([step_batches[rank]], stop_vote=False)
     torch.save(trainer.flat.params.clone(), out / f"params-{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
-def test_two_workers_with_half_batches_equal_one_worker(tmp_path, reverse_corpus):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_workers_with_half_batches_equal_one_worker(tmp_path, reverse_corpus, precision):
     torch.set_num_threads(1)
     info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
-    single = Trainer(_config(reverse_corpus, tmp_path / "single"), info, torch.device("cpu"))
+    single = Trainer(_config(reverse_corpus, tmp_path / "single", precision), info, torch.device("cpu"))
+    start = single.flat.params.clone()
     raw = _batches(single, 6)
     halves = [(raw[2 * i], raw[2 * i + 1]) for i in range(3)]  # two ranks' batches per step
     for a, b in halves:
@@ -69,30 +97,31 @@ def test_two_workers_with_half_batches_equal_one_worker(tmp_path, reverse_corpus
 
     port = free_port()
     mp.spawn(
-        _worker, args=(2, port, reverse_corpus, tmp_path / "multi", halves, tmp_path), nprocs=2, join=True
+        _worker,
+        args=(2, port, reverse_corpus, tmp_path / "multi", halves, tmp_path, precision),
+        nprocs=2,
+        join=True,
     )
     p0 = torch.load(tmp_path / "params-0.pt")
     p1 = torch.load(tmp_path / "params-1.pt")
-    assert torch.equal(p0, p1)  # replicas stay identical
-    assert (p0 - single.flat.params).abs().max() < 1e-6
-    assert not torch.allclose(p0, _config_init(reverse_corpus, tmp_path), atol=1e-4)  # the step did something
+    assert torch.equal(p0, p1)  # replicas stay identical, in bf16 too
+    _assert_same_update(p0, single.flat.params, start, precision)
 
 
-def _config_init(corpus: Path, tmp_path: Path) -> torch.Tensor:
-    info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
-    return Trainer(_config(corpus, tmp_path / "init"), info, torch.device("cpu")).flat.params.clone()
-
-
-def test_delayed_update_equals_one_big_batch(tmp_path, reverse_corpus):
-    """optimizer_delay: two micro-batches accumulated = one step on their concatenation."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_delayed_update_equals_one_big_batch(tmp_path, reverse_corpus, precision):
+    """optimizer_delay: micro-batches accumulated = one step on their concatenation (3 steps of 2)."""
     torch.set_num_threads(1)
     info = WorkerInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)
-    delayed = Trainer(_config(reverse_corpus, tmp_path / "delayed"), info, torch.device("cpu"))
-    whole = Trainer(_config(reverse_corpus, tmp_path / "whole"), info, torch.device("cpu"))
-    a, b = _batches(delayed, 2)
-    delayed.train_step([a, b], stop_vote=False)
-    whole.train_step([_concat(a, b)], stop_vote=False)
-    assert (delayed.flat.params - whole.flat.params).abs().max() < 1e-6
+    delayed = Trainer(_config(reverse_corpus, tmp_path / "delayed", precision), info, torch.device("cpu"))
+    whole = Trainer(_config(reverse_corpus, tmp_path / "whole", precision), info, torch.device("cpu"))
+    start = whole.flat.params.clone()
+    batches = _batches(delayed, 6)
+    for i in range(3):
+        a, b = batches[2 * i], batches[2 * i + 1]
+        delayed.train_step([a, b], stop_vote=False)
+        whole.train_step([_concat(a, b)], stop_vote=False)
+    _assert_same_update(delayed.flat.params, whole.flat.params, start, precision)
 
 
 # exchange.overlap: the exchange sections compared with and without it. The sparse ones use exact per-layer

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 import nmt.cli.train as train_cli
+import nmt.training.checkpoint as checkpoint_module
 from nmt.config import config_from_dict
 from nmt.data.config import VocabConfig
 from nmt.data.vocab import load_or_train_vocabs
@@ -150,15 +151,15 @@ def test_a_failed_checkpoint_write_leaves_nothing_and_keeps_the_previous_one(env
     vocab = Vocab.load(bundle.path / "spm.model")
     writer = CheckpointWriter(model_dir, rank=0, world_size=1, barrier=lambda: None)
     config = config_from_dict({})
-    real_save = torch.save
+    real_write = checkpoint_module._write_torch
 
-    def disk_full(obj, path, *args, **kwargs):
+    def disk_full(obj, path):
         if Path(path).name == "model.pt":
             Path(path).write_bytes(b"partial")
             raise OSError(28, "No space left on device")
-        return real_save(obj, path, *args, **kwargs)
+        return real_write(obj, path)
 
-    monkeypatch.setattr(torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint_module, "_write_torch", disk_full)
     with pytest.raises(CheckpointError) as failure:
         writer.save(2, config, (vocab, vocab), bundle.state_dict, None, {}, {})
     message = str(failure.value)
@@ -167,7 +168,7 @@ def test_a_failed_checkpoint_write_leaves_nothing_and_keeps_the_previous_one(env
     assert "the previous checkpoint (step-00000001) is intact" in message
     assert not list(model_dir.glob(".step-*")) and not (model_dir / "step-00000002").exists()
     assert find_resume_dir(model_dir).name == "step-00000001"
-    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(checkpoint_module, "_write_torch", real_write)
     assert load_inference_bundle(model_dir).path.name == "step-00000001"
 
 

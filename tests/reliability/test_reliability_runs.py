@@ -42,8 +42,10 @@ def _all_finite(ckpt: Path) -> bool:
 
 
 def test_a_diverging_run_stops_with_one_line_naming_the_step_and_saves_nothing_non_finite(env: Env, capsys):
-    """train.lr=1e4: NaN within a few steps; every step after is skipped; the run stops at max_bad_steps."""
+    """train.lr=1e4 with the loss watch off: NaN within a few steps; every step after is skipped; the run
+    stops at max_bad_steps (tests/reliability/test_reliability_divergence.py: the watch on, as by default)."""
     recipe = env.recipe(
+        train__divergence_window=0,
         train__lr=1e4,
         train__warmup_steps=1,
         train__max_steps=200,

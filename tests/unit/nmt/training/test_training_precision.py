@@ -14,6 +14,40 @@ NATIVE = Bf16Support(True, "this CPU executes bf16 natively (AVX512-BF16/AMX)")
 EMULATED = Bf16Support(False, "this CPU has no native bf16 (no AVX512-BF16 or AMX)")
 
 
+@pytest.fixture(autouse=True)
+def _flags_decide(monkeypatch):
+    """These tests fake the CPU's answers; NMT_CPU_BF16 (set when the suite runs as on the other CPU kind)
+    would override them. The override has its own tests below."""
+    monkeypatch.delenv(P.CPU_BF16_ENV, raising=False)
+
+
+def test_nmt_cpu_bf16_overrides_the_flags_both_ways(monkeypatch):
+    monkeypatch.setenv(P.CPU_BF16_ENV, "0")
+    off = cpu_bf16_support(query=lambda: True, measure=never_called)
+    assert (
+        not off.native
+        and off.reason == "NMT_CPU_BF16=0 in the environment: taken as a CPU with no native bf16"
+    )
+    assert choose_precision("auto", "cpu", lambda: off).precision == "fp32"
+    monkeypatch.setenv(P.CPU_BF16_ENV, "1")
+    on = cpu_bf16_support(query=lambda: False, measure=never_called)
+    assert on.native and choose_precision("auto", "cpu", lambda: on).precision == "bf16"
+
+
+def test_a_bad_nmt_cpu_bf16_is_one_line(monkeypatch):
+    monkeypatch.setenv(P.CPU_BF16_ENV, "true")
+    with pytest.raises(PrecisionError, match=r"^NMT_CPU_BF16='true' in the environment must be 0 or 1"):
+        P.require_runnable("auto", "cpu")
+
+
+def test_describe_cpu_says_what_auto_picks(monkeypatch):
+    monkeypatch.setenv(P.CPU_BF16_ENV, "0")
+    line = P.describe_cpu()
+    assert line.startswith("CPU: ") and line.endswith(
+        "precision auto -> fp32: NMT_CPU_BF16=0 in the environment: taken as a CPU with no native bf16"
+    )
+
+
 def never_called() -> float:
     raise AssertionError("must not measure here")
 
