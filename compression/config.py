@@ -8,31 +8,33 @@ read, set away from its default, is an error naming the key: a recipe that says 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import dataclass, field
 
-# The sparsifying family: the methods that read the shared options at `exchange.*`.
-SPARSE_METHODS = ("dropping", "local_mix", "dgc", "dgs")
-# Which methods read each shared option; with any other method, a value away from the default is an error.
-# dgs reads threshold and quantize_bits only to refuse anything but `global` and 0 (it says so at start).
-SHARED_OPTION_METHODS: dict[str, tuple[str, ...]] = {
-    "drop_ratio": SPARSE_METHODS,
-    "threshold": SPARSE_METHODS,
-    "threshold_estimator": SPARSE_METHODS,
-    "sample_size": SPARSE_METHODS,
-    "capacity_factor": SPARSE_METHODS,
-    "warmup_steps": SPARSE_METHODS,
-    "dense_vectors": ("dropping", "local_mix", "dgc"),
-    "embedding_rows": ("dropping", "local_mix"),  # dgc sends embedding rows through its sparse path
-    "quantize_bits": SPARSE_METHODS,
-    "dense_fallback": SPARSE_METHODS,
-    "sample_seed": (*SPARSE_METHODS, "powersgd"),  # powersgd: the seed of its first Q
-    "hierarchy": ("dropping", "local_mix", "dgc"),  # compression/hierarchy.py
-    "node_size": ("dropping", "local_mix", "dgc"),
-    # nmt/training/overlap.py; the sparse methods with exchange.threshold: layer only
-    "overlap": ("dense", "dense_bf16", "dropping", "local_mix", "dgc"),
-    "bucket_mb": ("dense", "dense_bf16", "dropping", "local_mix", "dgc"),
+# The options the sparsifying family (dropping, local_mix, dgc, dgs) shares at `exchange.*`; which method
+# reads which is each method's declaration (`shared_options`, compression/protocol.py).
+SPARSE_OPTIONS = (
+    "drop_ratio",
+    "threshold",
+    "threshold_estimator",
+    "sample_size",
+    "capacity_factor",
+    "warmup_steps",
+    "quantize_bits",
+    "dense_fallback",
+    "sample_seed",
+)
+# Shared keys read by the engine for methods that declare the capability (`supports_buckets`,
+# `supports_hierarchy`): exchange.overlap (nmt/training/route.py), the hierarchy (compression/hierarchy.py).
+BUCKET_OPTIONS = ("overlap", "bucket_mb")
+HIERARCHY_OPTIONS = ("hierarchy", "node_size")
+
+# The paper's three SBC configurations (Sattler et al. 2018, Sec. IV-B): SBC(1), SBC(2), SBC(3), as
+# (delay, density); exchange.sbc.preset picks one.
+SBC_PRESETS: dict[str, tuple[int, float]] = {
+    "no-delay": (1, 0.001),  # SBC(1): exchange every step, p = 0.1 %
+    "delay-10": (10, 0.01),  # SBC(2): 10 local steps, p = 1 %
+    "delay-100": (100, 0.01),  # SBC(3): 100 local steps, p = 1 %
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
@@ -123,12 +125,9 @@ class SbcOptions:
             raise ValueError(f"exchange.sbc.delay must be >= 1, got {self.delay}")
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"exchange.sbc.density must be in (0, 1], got {self.density}")
-        if self.preset:
-            from compression.sbc import PRESETS as SBC_PRESETS
-
-            if self.preset not in SBC_PRESETS:
-                presets = list(SBC_PRESETS)
-                raise unknown_choice("exchange.sbc.preset", "SBC preset", self.preset, presets, ", or empty")
+        if self.preset and self.preset not in SBC_PRESETS:
+            presets = list(SBC_PRESETS)
+            raise unknown_choice("exchange.sbc.preset", "SBC preset", self.preset, presets, ", or empty")
         if self.selection not in ("per_sign", "magnitude"):
             raise ValueError(
                 f"exchange.sbc.selection must be 'per_sign' or 'magnitude', got {self.selection!r}"
@@ -189,10 +188,9 @@ class PowerSgdOptions:
 @dataclass
 class ExchangeConfig:
     """How workers exchange gradients: the method, the options its sparsifying family shares, and one section
-    of options per method. The shared options are read by dropping, local_mix, dgc and dgs, except
-    dense_vectors (not dgs) and embedding_rows (dropping and local_mix only); powersgd reads sample_seed. An
+    of options per method. Which shared options a method reads is its declaration (`shared_options`); an
     option that `method` does not read (a shared one, or one under another method's key) must keep its
-    default: anything else is an error naming the key.
+    default: anything else is an error naming the key (compression.registry.check_exchange).
 
     method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd | dgs (see
     `compression.available_methods()`; dgs runs in the asynchronous trainer).
@@ -230,13 +228,15 @@ class ExchangeConfig:
     dgs: DgsOptions = field(default_factory=DgsOptions)
     powersgd: PowerSgdOptions = field(default_factory=PowerSgdOptions)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the key for any out-of-range option, or one the method does not read."""
-        from compression.registry import available_methods  # here: the registry imports this module
+    def delay_and_density(self) -> tuple[int, float]:
+        """SBC's delay and density: exchange.sbc.preset's when set, else exchange.sbc.delay and .density."""
+        if self.sbc.preset:
+            return SBC_PRESETS[self.sbc.preset]
+        return self.sbc.delay, self.sbc.density
 
-        methods = available_methods()
-        if self.method not in methods:
-            raise unknown_choice("exchange.method", "method", self.method, methods)
+    def validate(self) -> None:
+        """Raise ValueError naming the key for any out-of-range option. What depends on the method (its name,
+        the options it reads, its requirements) is `compression.registry.check_exchange`'s."""
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ValueError(f"exchange.drop_ratio must be in [0, 1), got {self.drop_ratio}")
         if self.threshold not in ("global", "layer"):
@@ -261,61 +261,8 @@ class ExchangeConfig:
             raise ValueError(f"exchange.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.node_size < 0:
             raise ValueError(f"exchange.node_size must be >= 0 (0 = ranks per machine), got {self.node_size}")
-        if self.overlap and self.method in ("dropping", "local_mix", "dgc") and self.threshold != "layer":
-            raise ValueError(
-                f"exchange.overlap with {self.method} needs exchange.threshold: layer (a global threshold "
-                "needs the whole gradient before any bucket can leave); set exchange.threshold=layer or "
-                "exchange.overlap=false"
-            )
-        if self.overlap and self.method == "dgc" and self.dgc.local_clip_norm > 0:
-            raise ValueError(
-                "exchange.overlap with dgc needs exchange.dgc.local_clip_norm: 0 (local clipping scales "
-                "by the whole gradient's norm, known only after backward); set "
-                "exchange.dgc.local_clip_norm=0 or exchange.overlap=false"
-            )
-        if self.overlap and self.hierarchy == "node":
-            raise ValueError(
-                "exchange.overlap: the hierarchical exchange (exchange.hierarchy node) runs after backward "
-                "only; set exchange.overlap=false or exchange.hierarchy=flat"
-            )
         for section in (self.local_mix, self.dgc, self.sbc, self.dgs, self.powersgd):
             section.validate()
-        misplaced = self.options_not_read()
-        if misplaced:
-            raise ValueError(self.not_read_message(misplaced[0]))
-
-    def options_not_read(self) -> list[str]:
-        """Dotted keys (`exchange.sbc.delay`) set away from their default that `method` does not read."""
-        defaults = ExchangeConfig()
-        keys = [
-            f"exchange.{name}"
-            for name, readers in SHARED_OPTION_METHODS.items()
-            if self.method not in readers and getattr(self, name) != getattr(defaults, name)
-        ]
-        for section in METHOD_SECTIONS:
-            if section == self.method:
-                continue
-            options, default = getattr(self, section), getattr(defaults, section)
-            keys += [
-                f"exchange.{section}.{f.name}"
-                for f in dataclasses.fields(options)
-                if getattr(options, f.name) != getattr(default, f.name)
-            ]
-        return keys
-
-    def not_read_message(self, key: str) -> str:
-        """The error for `key`, one of `options_not_read()`: which methods read it, and the two ways out."""
-        name = key.split(".")[1]
-        if name in SHARED_OPTION_METHODS:
-            readers = SHARED_OPTION_METHODS[name]
-            return (
-                f"{key} is set but exchange.method is {self.method!r}; it only applies to methods "
-                f"{', '.join(readers)}: remove it or set exchange.method to one of them"
-            )
-        return (
-            f"{key} is set but exchange.method is {self.method!r}; it only applies to method {name}: "
-            f"remove it or set exchange.method={name}"
-        )
 
     def reset(self, key: str) -> None:
         """Put the option at dotted `key` (`exchange.sbc.delay`) back to its default."""

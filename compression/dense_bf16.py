@@ -17,59 +17,37 @@ import torch
 import torch.distributed as dist
 
 from compression.config import ExchangeConfig
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
 
 
-@register("dense_bf16")
-class DenseBf16AllReduce:
-    """Average gradients with one bf16 all_reduce. Bytes counted: n * 2 (the bf16 payload). No options."""
+class DenseBf16AllReduce(ExchangeMethod):
+    """Average gradients with one bf16 all_reduce per bucket. Bytes counted: n * 2 (the bf16 payload)."""
+
+    name = "dense_bf16"
+    supports_buckets = True
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="dense_bf16")
-        self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []  # (exchange.overlap)
+        super().__init__(config)
+        self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []  # buckets on the wire
 
-    def start_bucket(self, flat_grad: torch.Tensor, start: int, end: int, ctx: StepContext) -> None:
-        """exchange.overlap: start flat_grad[start:end]; `reduce` copies the sum back."""
-        grad = flat_grad[start:end]
+    def start(self, flat_grad: torch.Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        grad = flat_grad[bounds[0] : bounds[1]]
         if ctx.world_size > 1:
             payload = grad.div_(ctx.world_size).to(torch.bfloat16)
             work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
             self.pending.append((work, grad, payload))
 
-    def drop_buckets(self) -> None:
-        for work, _, _ in self.pending:
-            work.wait()
-        self.pending = []
-
-    def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+    def finish(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()  # as dense: the local gradient is the average, no rounding
-        if self.pending:  # the buckets cover the buffer
-            for work, grad, payload in self.pending:
-                work.wait()
-                grad.copy_(payload)
-            self.pending = []
-        else:
-            payload = flat_grad.div_(ctx.world_size).to(torch.bfloat16)
-            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=ctx.group)
-            flat_grad.copy_(payload)
+        for work, grad, payload in self.pending:
+            work.wait()
+            grad.copy_(payload)
+        self.pending = []
         n_bytes = 2 * flat_grad.numel()
         return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
 
-    def after_step(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()
-
-    def synchronize_params(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()  # every rank applied the same reduced gradient
-
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # the optimizer's state needs nothing from a dense exchange
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def drop(self) -> None:
+        for work, _, _ in self.pending:
+            work.wait()
+        self.pending = []

@@ -32,16 +32,17 @@ gradient is the *average* (1/P) sum_i g_i, so rank i's contribution g_i / P is c
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from compression.config import ExchangeConfig
-from compression.dropping import exchange_stats
+from compression.config import SPARSE_OPTIONS, ExchangeConfig
+from compression.dropping import exchange_stats, overlap_needs_layer_thresholds
 from compression.partition import BufferPartition
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
 from compression.sparse_buckets import BucketRounds
 from compression.sparsify import ThresholdSparsifier, merge_rounds
 
@@ -59,24 +60,47 @@ def dgc_density(drop_ratio: float, warmup_steps: int, step: int) -> float:
     return max(final, WARMUP_FACTOR ** (stage + 1))
 
 
-@register("dgc")
-class DeepGradientCompression:
+class DeepGradientCompression(ExchangeMethod):
     """DGC with momentum correction, momentum factor masking, density warm-up and optional local clipping.
     Options: exchange.dgc.momentum and exchange.dgc.local_clip_norm, and the shared exchange.* drop_ratio,
     warmup_steps, threshold, threshold_estimator, sample_size, capacity_factor, dense_vectors, quantize_bits,
     dense_fallback, sample_seed, hierarchy, node_size, and overlap with threshold: layer (one round per
     bucket during backward, compression/sparse_buckets.py)."""
 
+    name = "dgc"
+    section = "dgc"
+    shared_options = (*SPARSE_OPTIONS, "dense_vectors")
+    supports_buckets = True
+    supports_hierarchy = True
+
+    @classmethod
+    def requires(cls, config: ExchangeConfig, run: Mapping[str, Any]) -> list[str]:
+        problems = overlap_needs_layer_thresholds(config)
+        if config.overlap and config.dgc.local_clip_norm > 0:
+            problems.append(
+                "exchange.overlap with dgc needs exchange.dgc.local_clip_norm: 0 (local clipping scales "
+                "by the whole gradient's norm, known only after backward); set "
+                "exchange.dgc.local_clip_norm=0 or exchange.overlap=false"
+            )
+        train = run.get("train", {})
+        optimizer, momentum = train.get("optimizer", "sgd"), train.get("momentum", 0.0)
+        if optimizer != "sgd" or momentum:
+            problems.append(
+                f"exchange.method dgc applies momentum itself (exchange.dgc.momentum="
+                f"{config.dgc.momentum:g}), so the optimizer must be plain SGD: set train.optimizer=sgd and "
+                f"train.momentum=0 (now train.optimizer={optimizer}, train.momentum={momentum:g})"
+            )
+        return problems
+
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="dgc")
-        self.config.validate()
+        super().__init__(config)
         self.sparsifier = ThresholdSparsifier(self.config)
         self.step = 0
         self.partition: BufferPartition | None = None
         self.momentum: Tensor | None = None  # u, sparse space
         self.velocity: Tensor | None = None  # v, sparse space (the residual)
         self.dense_momentum: Tensor | None = None  # u of the dense part (identical on all ranks)
-        self.buckets = BucketRounds()  # exchange.overlap (compression/sparse_buckets.py)
+        self.buckets = BucketRounds()  # the rounds started since the last finish
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -111,31 +135,31 @@ class DeepGradientCompression:
         """This step's density (DGC's exponential warm-up)."""
         return dgc_density(self.config.drop_ratio, self.config.warmup_steps, self.step)
 
-    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
-        """exchange.overlap: start the sparse round of flat_grad[start:end] (momentum and velocity updated on
-        copies of the bucket's slices); the next reduce ends it. Local clipping needs the whole gradient's
-        norm first, so the configuration refuses it with overlap."""
+    def start(self, flat_grad: Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        """Start the sparse round of flat_grad[bounds] (the whole buffer without exchange.overlap): the
+        momentum and velocity of its slices are updated on copies that `finish` puts back. Local clipping
+        scales by the whole gradient's norm, so it comes with the whole buffer only (the configuration
+        refuses it with overlap)."""
         part = self._prepare(flat_grad, ctx)
         assert self.momentum is not None and self.velocity is not None
+        if self.config.dgc.local_clip_norm > 0:
+            limit = self.config.dgc.local_clip_norm * math.sqrt(ctx.world_size)
+            norm = float(flat_grad.norm())
+            if norm > limit:
+                flat_grad.mul_(limit / (norm + 1e-6))
         self.buckets.start(
-            self.sparsifier, self.velocity, part, flat_grad, (start, end), self.density(), ctx,
+            self.sparsifier, self.velocity, part, flat_grad, bounds, self.density(), ctx,
             momentum=self.momentum, momentum_factor=self.config.dgc.momentum,
         )  # fmt: skip
 
-    def drop_buckets(self) -> None:
+    def drop(self) -> None:
         self.buckets.drop()
 
-    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+    def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         part = self._prepare(flat_grad, ctx)
         u, v, u_dense = self.momentum, self.velocity, self.dense_momentum
         assert u is not None and v is not None and u_dense is not None
         p, m = ctx.world_size, self.config.dgc.momentum
-        if self.config.dgc.local_clip_norm > 0:
-            limit = self.config.dgc.local_clip_norm * math.sqrt(p)
-            norm = float(flat_grad.norm())
-            if norm > limit:
-                flat_grad.mul_(limit / (norm + 1e-6))
-
         bytes_dense = 0
         if part.dense.numel:
             g_dense = part.dense.gather(flat_grad)
@@ -145,34 +169,13 @@ class DeepGradientCompression:
             u_dense.mul_(m).add_(g_dense)
             part.dense.copy_to(flat_grad, u_dense)
             bytes_dense = part.dense.numel * FP32_BYTES
-
-        if self.buckets.pending:  # exchange.overlap: one round per bucket, started during backward
-            rounds = self.buckets.finish(self.sparsifier, v, momentum=u)
-        else:
-            u.mul_(m)
-            part.sparse.add_from(u, flat_grad)  # u = m u + g
-            v.add_(u)  # v = v + u
-            rnd = self.sparsifier.run(v, self.density(), part, ctx)  # v <- v - S_i
-            rnd.zero_sent(u)  # momentum factor masking (v is already zero where sent)
-            rounds = [rnd]
+        rounds = self.buckets.finish(self.sparsifier, v, momentum=u)
         part.sparse.fill(flat_grad, 0.0)
         for rnd in rounds:
             rnd.add_into(flat_grad, 1.0 / p)
         self.step += 1
         rnd = merge_rounds(rounds, part)
         return exchange_stats(rnd, flat_grad.numel(), bytes_dense, 0, 0, part.dense.numel)
-
-    def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()
-
-    def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        # All ranks apply the same decoded update: replicas stay identical.
-        return ExchangeStats()
-
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # DGC masks its own momentum inside reduce; the optimizer is plain SGD
 
     def state_dict(self) -> dict:
         def clone(t: Tensor | None) -> Tensor | None:

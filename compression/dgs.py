@@ -3,7 +3,7 @@
 Why a module without processes: what the parameter server and the workers compute is exact arithmetic on flat
 fp32 buffers, and its invariants (every worker's model equals the server's minus what is still pending for it;
 nothing selected or left behind is lost; SAMomentum at density 1 is momentum SGD) can be unit-tested without
-starting a single process. `nmt/training/dgs_transport.py` moves these messages between processes.
+starting a single process. nmt/training/dgs/ runs the processes and moves these messages between them.
 
 Notation: n parameters in one flat fp32 buffer, W workers, d = push density, d' = pull density.
     worker w:  theta_w  its model copy;  u_w  its SAMomentum buffer
@@ -32,13 +32,16 @@ every W server updates, so the bound must exceed W (exchange.dgs.max_staleness: 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from compression.config import SPARSE_OPTIONS, ExchangeConfig
 from compression.dropping import warmup_density
-from compression.registry import register_asynchronous
+from compression.protocol import ExchangeMethod
 from kernels import exact_threshold, sampled_threshold, scatter_add_decode, sparse_gather
 
 PAIR_BYTES = 8  # one sent coordinate: int32 index + fp32 value
@@ -47,29 +50,14 @@ DENSE_BYTES = 4  # one fp32 value of a dense message
 SPARSE, DENSE, PARAMS = "sparse", "dense", "params"
 MODES = ("dual", "one_way", "dense")  # exchange.dgs.mode: push / pull sparse or dense
 
-# The wire (nmt/training/dgs_transport.py sends it): every message is an 8-word float64 header (tag 1) whose
-# word 0 is a message code, then, for an update, its `pack()`ed fp32 payload (tag 2): sparse = values then
-# int32 indices bit-cast (8 bytes per entry), dense/params = n values (4 bytes each).
-HEADER_WORDS = 8
-TAG_HEADER, TAG_PAYLOAD = 1, 2
-CODES = {SPARSE: 1, DENSE: 2, PARAMS: 3}  # an update of that kind follows
-KINDS = {code: kind for kind, code in CODES.items()}
-SAVE, STOP = 4, 5  # server -> workers: write your part of a checkpoint / the run is over
-
 __all__ = [
-    "CODES",
     "DENSE",
     "DENSE_BYTES",
-    "HEADER_WORDS",
-    "KINDS",
+    "DeepGradientSparsification",
     "MODES",
     "PAIR_BYTES",
     "PARAMS",
-    "SAVE",
     "SPARSE",
-    "STOP",
-    "TAG_HEADER",
-    "TAG_PAYLOAD",
     "ParameterServer",
     "SAMomentum",
     "TopDensity",
@@ -309,4 +297,39 @@ class ParameterServer:
 
 
 # exchange.method: dgs runs in the asynchronous trainer: N workers and one parameter server.
-register_asynchronous("dgs", extra_processes=1)
+
+
+class DeepGradientSparsification(ExchangeMethod):
+    """The declaration of `exchange.method: dgs`: what it reads and needs. It runs in the asynchronous
+    trainer (nmt/training/dgs/), one parameter server beside the workers, not inside a synchronous step."""
+
+    name = "dgs"
+    section = "dgs"
+    shared_options = SPARSE_OPTIONS
+    asynchronous = True
+    extra_processes = 1
+
+    @classmethod
+    def requires(cls, config: ExchangeConfig, run: Mapping[str, Any]) -> list[str]:
+        train, valid = run.get("train", {}), run.get("valid", {})
+        problems = []
+        if train.get("optimizer", "sgd") != "sgd":
+            problems.append(
+                f"exchange.method dgs trains with SAMomentum (momentum SGD on the workers), not "
+                f"train.optimizer={train['optimizer']}; set train.optimizer: sgd and train.momentum "
+                "(e.g. 0.9) (recipes/bible-es-en-dgs.yml)"
+            )
+        if train.get("precision") == "fp16":
+            problems.append("exchange.method dgs does not support train.precision: fp16; use fp32 or bf16")
+        if train.get("max_train_s") or valid.get("every_train_s"):
+            problems.append(
+                "exchange.method dgs does not support train.max_train_s or valid.every_train_s yet; use "
+                "train.max_wall_s and valid.every"
+            )
+        if config.threshold != "global":
+            problems.append(
+                "exchange.method dgs selects with one global threshold; set exchange.threshold: global"
+            )
+        if config.quantize_bits:
+            problems.append("exchange.method dgs sends fp32 values; set exchange.quantize_bits: 0")
+        return problems

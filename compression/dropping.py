@@ -17,14 +17,16 @@ Local mixing (compression/local_mix.py) reuses this round and only changes how G
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from compression.config import ExchangeConfig
+from compression.config import SPARSE_OPTIONS, ExchangeConfig
 from compression.lossless import average_dense_part, average_embedding_rows
 from compression.partition import BufferPartition
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
 from compression.sparse_buckets import BucketRounds
 from compression.sparsify import SparseRound, ThresholdSparsifier, merge_rounds
 
@@ -53,11 +55,12 @@ class ResidualState:
         """This step's density (with the drop-ratio warm-up)."""
         return warmup_density(self.config.drop_ratio, self.config.warmup_steps, self.step)
 
-    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
-        """exchange.overlap: start the sparse round of flat_grad[start:end]; the next reduce ends it."""
+    def start(self, flat_grad: Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        """Start the sparse round of flat_grad[bounds] (the whole buffer without exchange.overlap); the step's
+        `finish_with_residual` ends it."""
         part = self.prepare(flat_grad, ctx)
         assert self.residual is not None
-        self.buckets.start(self.sparsifier, self.residual, part, flat_grad, (start, end), self.density(), ctx)
+        self.buckets.start(self.sparsifier, self.residual, part, flat_grad, bounds, self.density(), ctx)
 
     def prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -124,10 +127,11 @@ def exchange_stats(
     )
 
 
-def reduce_with_residual(
+def finish_with_residual(
     state: ResidualState, flat_grad: Tensor, ctx: StepContext, local_mode: str | None
 ) -> ExchangeStats:
-    """The shared reduce of `dropping` (local_mode None) and `local_mix` (local_mode "sum" | "replace").
+    """The shared finish of `dropping` (local_mode None) and `local_mix` (local_mode "sum" | "replace"): the
+    lossless parts, then the sparse rounds started bucket by bucket.
 
     Sparse part of the result, with L_i = this rank's local gradient there:
         None:    G_i = (1/P) sum_j S_j
@@ -138,13 +142,8 @@ def reduce_with_residual(
     p = ctx.world_size
     bytes_dense = average_dense_part(flat_grad, part.dense, ctx)
     bytes_rows, values_rows, received_rows = average_embedding_rows(flat_grad, part, ctx)
-    acc = state.residual
-    assert acc is not None
-    if state.buckets.pending:  # exchange.overlap: one round per bucket, started during backward
-        rounds = state.buckets.finish(state.sparsifier, acc)
-    else:
-        part.sparse.add_from(acc, flat_grad)  # acc = g + e
-        rounds = [state.sparsifier.run(acc, state.density(), part, ctx)]  # acc is now the residual
+    assert state.residual is not None
+    rounds = state.buckets.finish(state.sparsifier, state.residual)
     if local_mode is None:
         part.sparse.fill(flat_grad, 0.0)
     else:
@@ -158,40 +157,46 @@ def reduce_with_residual(
     return stats
 
 
-@register("dropping")
-class GradientDropping:
+class GradientDropping(ExchangeMethod):
     """Gradient dropping with error feedback (see the module docstring). Options (exchange.*): drop_ratio,
     threshold, threshold_estimator, sample_size, capacity_factor, warmup_steps, dense_vectors, embedding_rows,
-    quantize_bits, dense_fallback, sample_seed."""
+    quantize_bits, dense_fallback, sample_seed; overlap with threshold: layer; hierarchy."""
+
+    name = "dropping"
+    shared_options = (*SPARSE_OPTIONS, "dense_vectors", "embedding_rows")
+    supports_buckets = True
+    supports_hierarchy = True
+
+    @classmethod
+    def requires(cls, config: ExchangeConfig, run: Mapping[str, Any]) -> list[str]:
+        return overlap_needs_layer_thresholds(config)
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="dropping")
-        self.config.validate()
+        super().__init__(config)
         self.state = ResidualState(self.config, embedding_rows=self.config.embedding_rows)
 
-    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
-        return reduce_with_residual(self.state, flat_grad, ctx, local_mode=None)
+    def start(self, flat_grad: Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        self.state.start(flat_grad, bounds, ctx)
 
-    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
-        self.state.start_bucket(flat_grad, start, end, ctx)
+    def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+        return finish_with_residual(self.state, flat_grad, ctx, local_mode=None)
 
-    def drop_buckets(self) -> None:
+    def drop(self) -> None:
         self.state.buckets.drop()
-
-    def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()
-
-    def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        # Every rank applies the same decoded gradient with the same optimizer: replicas stay identical.
-        return ExchangeStats()
-
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # the optimizer applies the exchanged gradient as it is
 
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
+
+
+def overlap_needs_layer_thresholds(config: ExchangeConfig) -> list[str]:
+    """A sparse round per bucket needs a threshold per layer: a global one needs the whole gradient first."""
+    if config.overlap and config.threshold != "layer":
+        return [
+            f"exchange.overlap with {config.method} needs exchange.threshold: layer (a global threshold "
+            "needs the whole gradient before any bucket can leave); set exchange.threshold=layer or "
+            "exchange.overlap=false"
+        ]
+    return []

@@ -33,9 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from compression.config import ExchangeConfig
-from compression.protocol import ExchangeStats, GradientExchange, ParamSpan, StepContext
-
-HIERARCHICAL_METHODS = ("dropping", "local_mix", "dgc")
+from compression.protocol import ExchangeMethod, ExchangeStats, OptimizerAction, ParamSpan, StepContext
 
 
 def shard_bounds(layout: list[ParamSpan], shards: int) -> list[tuple[int, int]]:
@@ -73,21 +71,31 @@ def resolve_hierarchy(config: ExchangeConfig, world_size: int, ranks_per_machine
         )
     if config.hierarchy == "auto" and (size == 1 or world_size == size):
         return dataclasses.replace(config, hierarchy="flat")
-    if config.overlap:
-        raise ValueError(
-            f"exchange.overlap: the hierarchical exchange (exchange.hierarchy {config.hierarchy}, nodes of "
-            f"{size} ranks) runs after backward only; set exchange.overlap=false or exchange.hierarchy=flat"
-        )
+    if config.overlap:  # auto has become node for this job: refused as `node` is when the recipe is loaded
+        raise ValueError(overlap_refusal(f"{config.hierarchy}, nodes of {size} ranks"))
     return dataclasses.replace(config, hierarchy="node", node_size=size)
 
 
-class NodeHierarchy:
-    """Wraps a sparse exchange: dense inside each node, the inner method between nodes on shards."""
+def overlap_refusal(hierarchy: str) -> str:
+    """The one line refusing exchange.overlap with the hierarchical exchange (it runs after backward)."""
+    return (
+        f"exchange.overlap: the hierarchical exchange (exchange.hierarchy {hierarchy}) runs after backward "
+        "only; set exchange.overlap=false or exchange.hierarchy=flat"
+    )
 
-    def __init__(self, inner: GradientExchange, node_size: int) -> None:
+
+class NodeHierarchy(ExchangeMethod):
+    """Wraps a sparse exchange: dense inside each node, the inner method between nodes on shards. It runs on
+    the whole buffer (no buckets) and forwards every other call to the inner method."""
+
+    def __init__(self, inner: ExchangeMethod, node_size: int) -> None:
+        super().__init__(inner.config)
+        self.name = inner.name
+        self.replicas_drift = inner.replicas_drift
         self.inner = inner
         self.node_size = node_size  # ranks per node (`resolve_hierarchy` made it concrete)
         self._groups: tuple[object, object] | None = None
+        self._shard_spans: tuple[int, list[ParamSpan]] | None = None
 
     # ------------------------------------------------------------------------------ topology
 
@@ -123,6 +131,8 @@ class NodeHierarchy:
         intra, inter = self._node_groups(ctx)
         start, end = shard_bounds(ctx.layout, size)[ctx.rank % size]
         layout = [replace(s, offset=s.offset - start) for s in ctx.layout if start <= s.offset < end]
+        first = next((i for i, s in enumerate(ctx.layout) if start <= s.offset < end), 0)
+        self._shard_spans = (first, ctx.layout)  # where the shard's spans sit in the whole layout
         names = {s.name for s in layout}
         touched = {k: v for k, v in ctx.touched_rows.items() if k in names}
         inner_ctx = StepContext(
@@ -137,7 +147,7 @@ class NodeHierarchy:
 
     # ------------------------------------------------------------------------------ the exchange
 
-    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+    def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         size = self._node_size(ctx)
         intra, _ = self._node_groups(ctx)
         intra_bytes = 0
@@ -148,7 +158,7 @@ class NodeHierarchy:
             ctx = replace(ctx, touched_rows=self._node_touched_rows(ctx, intra))
         start, end, inner_ctx = self._shard(ctx)
         shard = flat_grad[start:end]
-        stats = self.inner.reduce(shard, inner_ctx) if end > start else ExchangeStats()
+        stats = self.inner.reduce(shard, inner_ctx) if end > start else ExchangeStats()  # one bucket
         intra_bytes += self._gather_shards(flat_grad, ctx, intra)
         stats.extra["bytes_intra_node"] = float(intra_bytes)
         return stats
@@ -172,10 +182,16 @@ class NodeHierarchy:
             stats.extra["bytes_intra_node"] = float(self._gather_shards(flat_params, ctx, intra))
         return stats
 
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # the hierarchical methods (dropping, local_mix, dgc) leave the optimizer as it is
+    def optimizer_action(self) -> OptimizerAction | None:
+        """The inner method's, its positions (per span of this rank's shard) placed in the whole layout."""
+        action = self.inner.optimizer_action()
+        if action is None or self._shard_spans is None:
+            return action
+        first, layout = self._shard_spans
+        empty = torch.zeros(0, dtype=torch.int64)
+        masks = [empty] * len(layout)
+        masks[first : first + len(action.zero_momentum)] = action.zero_momentum
+        return OptimizerAction(zero_momentum=masks)
 
     def state_dict(self) -> dict:
         return {"hierarchy": "node", "inner": self.inner.state_dict()}

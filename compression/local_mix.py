@@ -22,34 +22,44 @@ sparse part.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+from typing import Any
+
 from torch import Tensor
 
+from compression.collectives import average_parameters
 from compression.config import ExchangeConfig
-from compression.dense import average_parameters
-from compression.dropping import ResidualState, reduce_with_residual
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.dropping import GradientDropping, ResidualState, finish_with_residual
+from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
 
 
-@register("local_mix")
-class LocalMix:
+class LocalMix(ExchangeMethod):
     """Global sparse + local dense gradients with periodic parameter averaging. Options: those of dropping
     (exchange.*), plus exchange.local_mix.local_mode (sum | replace) and exchange.local_mix.average_every."""
 
+    name = "local_mix"
+    section = "local_mix"
+    shared_options = GradientDropping.shared_options
+    supports_buckets = True
+    supports_hierarchy = True
+    replicas_drift = True  # each rank applies its own local gradient between averages
+
+    @classmethod
+    def requires(cls, config: ExchangeConfig, run: Mapping[str, Any]) -> list[str]:
+        return GradientDropping.requires(config, run)
+
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="local_mix")
-        self.config.validate()
+        super().__init__(config)
         self.state = ResidualState(self.config, embedding_rows=self.config.embedding_rows)
         self.steps_since_average = 0
 
-    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
-        return reduce_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mix.local_mode)
+    def start(self, flat_grad: Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        self.state.start(flat_grad, bounds, ctx)
 
-    def start_bucket(self, flat_grad: Tensor, start: int, end: int, ctx: StepContext) -> None:
-        self.state.start_bucket(flat_grad, start, end, ctx)
+    def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+        return finish_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mix.local_mode)
 
-    def drop_buckets(self) -> None:
+    def drop(self) -> None:
         self.state.buckets.drop()
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
@@ -62,11 +72,6 @@ class LocalMix:
         if self.steps_since_average == 0:
             return ExchangeStats()  # replicas are identical already (every rank's counter agrees)
         return self._average(flat_params, ctx)
-
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # Adam moments stay per rank, as in the authors' code (see the module docstring)
 
     def _average(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
         stats = average_parameters(flat_params, ctx)

@@ -42,8 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from compression.config import ExchangeConfig
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.protocol import ExchangeMethod, ExchangeStats, ParamSpan, StepContext
 
 FP32_BYTES = 4
 
@@ -94,19 +93,22 @@ def orthogonalize(matrices: Tensor) -> None:
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 
-@register("powersgd")
-class PowerSGD:
+class PowerSGD(ExchangeMethod):
     """PowerSGD with error feedback and warm start. Options: exchange.powersgd.rank, start_step and
-    min_compression_rate, and exchange.sample_seed (the first Q's)."""
+    min_compression_rate, and exchange.sample_seed (the first Q's). The whole buffer at once (its power
+    iteration spans every matrix), so no buckets."""
+
+    name = "powersgd"
+    section = "powersgd"
+    shared_options = ("sample_seed",)
 
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="powersgd")
-        self.config.validate()
+        super().__init__(config)
         self.step = 0
         self.residual: Tensor | None = None
         self.q: Tensor | None = None  # every matrix's Q (m x r'), flat in visiting order, divided by W
 
-    def reduce(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
+    def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
         if ctx.world_size == 1:
             return ExchangeStats()  # as dense: the local gradient is the average
         numel = flat_grad.numel()
@@ -169,17 +171,6 @@ class PowerSGD:
         generator = torch.Generator().manual_seed(self.config.sample_seed)  # same on every rank
         draws = [torch.randn((1, mat.m, mat.r), generator=generator).view(-1) for mat in matrices]
         return torch.cat(draws) if draws else torch.empty(0)
-
-    def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()
-
-    def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        return ExchangeStats()  # every rank applied the same all-reduced result
-
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[Tensor], layout: list[ParamSpan]
-    ) -> None:
-        pass  # the optimizer applies the exchanged gradient as it is
 
     def state_dict(self) -> dict:
         def clone(t: Tensor | None) -> Tensor | None:

@@ -1,17 +1,36 @@
 """The one interface between the training step and every gradient exchange method.
 
-Why a protocol: the training step calls `reduce` once per optimizer step and `after_step` once after the
-optimizer, whatever the method. Dense all-reduce, gradient dropping, local mixing, DGC and SBC differ
-only in what happens inside these two calls, so the step stays readable and methods stay swappable.
+Why one small base class: the training step hands an exchange its gradient bucket by bucket and then asks
+for the result, whatever the method; with `exchange.overlap` the buckets leave while backward runs, without
+it the whole buffer is one bucket (as torch's DDP communication hooks: every hook is per bucket, and "no
+overlap" is one bucket). Dense all-reduce, gradient dropping, local mixing, DGC, SBC and PowerSGD differ
+only in what they do at these calls, so the step stays one route and the methods stay swappable.
+
+A method subclasses `ExchangeMethod` and overrides only what it does: every call has a no-op default. It
+declares, as class attributes, what the engine and the configuration need to know of it:
+- `name`, `section` (its own options, `exchange.<section>`), `shared_options` (the `exchange.*` keys of the
+  sparsifying family it reads);
+- capabilities: `supports_buckets` (it can start a bucket before backward has finished, so
+  `exchange.overlap` applies), `supports_hierarchy` (`exchange.hierarchy: node` may wrap it),
+  `replicas_drift` (replicas differ between its synchronisations: the engine asks `synchronize_params` for
+  one agreed model before every validation and checkpoint), `asynchronous` (it runs in the asynchronous
+  trainer, with `extra_processes` beside the workers);
+- `requires(config, run)`: one line per setting elsewhere in the recipe it cannot work with.
+It never touches the optimizer: what the optimizer must do (a momentum mask) it returns from
+`optimizer_action`, and the trainer applies that to SGD and Adam alike.
+docs/exchange-methods.md is the guide to writing one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
+
+from compression.config import ExchangeConfig
 
 ParamKind = Literal["embedding", "output", "matrix", "vector"]
 
@@ -79,48 +98,84 @@ class ExchangeStats:
         )
 
 
-@runtime_checkable
-class GradientExchange(Protocol):
-    """A gradient exchange method. All methods are called on every rank in the same order."""
+@dataclass
+class OptimizerAction:
+    """What the optimizer must do after an exchange call; the trainer applies it (nmt/training/optimizer.py).
+
+    zero_momentum: one tensor per span of the layout, the positions (within the span) whose first moment is
+    set to zero: SGD's momentum buffer or Adam's `exp_avg` (SBC's momentum masking).
+    """
+
+    zero_momentum: list[torch.Tensor]
+
+
+class ExchangeMethod:
+    """A gradient exchange method: every call has a no-op default; every rank calls them in the same order.
+
+    Per optimizer step the trainer calls `start` for each bucket of the (scaled, checked) gradient and then
+    `finish`, or `drop` instead of `finish` when the ranks voted to skip the step; after the optimizer step
+    `after_step`, then `optimizer_action`. Before validations and checkpoints of a method whose replicas
+    drift: `synchronize_params`, then `optimizer_action`.
+    """
+
+    name: ClassVar[str] = ""
+    section: ClassVar[str] = ""  # its own options: exchange.<section> ("" for none)
+    shared_options: ClassVar[tuple[str, ...]] = ()  # the exchange.* keys of the sparsifying family it reads
+    supports_buckets: ClassVar[bool] = False  # start() may come per bucket, during backward
+    supports_hierarchy: ClassVar[bool] = False  # exchange.hierarchy: node may wrap it
+    replicas_drift: ClassVar[bool] = False  # replicas differ between its synchronisations
+    asynchronous: ClassVar[bool] = False  # runs in the asynchronous trainer, not in a synchronous step
+    extra_processes: ClassVar[int] = 0  # processes a job runs beside its workers (a parameter server)
+
+    def __init__(self, config: ExchangeConfig | None = None) -> None:
+        self.config = config or ExchangeConfig(method=self.name)
+        self.config.validate()  # the ranges of its options (compression.registry checks the rest)
+
+    @classmethod
+    def requires(cls, config: ExchangeConfig, run: Mapping[str, Any]) -> list[str]:
+        """One line per setting this method cannot work with; `run` is the rest of the recipe as nested
+        mappings (`run["train"]["optimizer"]`). Each line names the keys and what to set."""
+        return []
+
+    # -- the gradient: one route --------------------------------------------------------------------------
+
+    def start(self, flat_grad: torch.Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
+        """Start exchanging flat_grad[bounds[0]:bounds[1]], final and scaled. Without `supports_buckets` it is
+        called once, with the whole buffer, right before `finish`: such a method does its work there."""
+
+    def finish(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+        """Replace `flat_grad` (this rank's scaled local gradient) in place by the gradient to apply, ending
+        every bucket started since the last call."""
+        return ExchangeStats()
+
+    def drop(self) -> None:
+        """A skipped step: wait for the started buckets and forget them; no state may change."""
 
     def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        """Replace `flat_grad` (this rank's summed local gradient) in place by the gradient to apply."""
-        ...
+        """The whole buffer as one bucket: what the trainer does without exchange.overlap."""
+        self.start(flat_grad, (0, flat_grad.numel()), ctx)
+        return self.finish(flat_grad, ctx)
+
+    # -- the parameters -----------------------------------------------------------------------------------
 
     def after_step(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        """Hook after the optimizer step (parameter averaging, delayed synchronisation)."""
-        ...
+        """After the optimizer step: a method that synchronises every H steps decides here whether this one
+        does (parameter averaging, delayed synchronisation)."""
+        return ExchangeStats()
 
     def synchronize_params(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
-        """Make parameters identical across ranks now (called before validation and checkpoints)."""
-        ...
+        """Make every rank hold the same parameters now (methods whose replicas drift)."""
+        return ExchangeStats()
 
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], layout: list[ParamSpan]
-    ) -> None:
-        """Adjust the optimizer's state to what the exchange just did; called after `after_step` and after
-        `synchronize_params`. `params` are the optimizer's parameters in `layout` order. Most methods do
-        nothing here; SBC zeroes the momentum where its last round sent (momentum masking)."""
-        ...
+    def optimizer_action(self) -> OptimizerAction | None:
+        """What the optimizer must do after the last after_step or synchronize_params, once; None: nothing."""
+        return None
+
+    # -- resume -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Per-rank state (residuals, momenta, counters) needed to resume exactly."""
-        ...
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-@runtime_checkable
-class OverlappedExchange(Protocol):
-    """A method that can start its exchange bucket by bucket while backward runs (`exchange.overlap`):
-    dense, dense_bf16, and dropping and local_mix with layer thresholds (nmt/training/overlap.py)."""
-
-    def start_bucket(self, flat_grad: torch.Tensor, start: int, end: int, ctx: StepContext) -> None:
-        """Start exchanging flat_grad[start:end] (final and scaled); the next `reduce` finishes every bucket
-        started since the last one and must give what a `reduce` without buckets would."""
-        ...
-
-    def drop_buckets(self) -> None:
-        """A skipped step (NaN/inf on some rank): wait for the started buckets and forget them; no state
-        (residuals, counters) may change."""
-        ...
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s state."""

@@ -14,13 +14,12 @@ Contract with the training step (see design.md "The update step"):
 * `synchronize_params` mid-round runs that round early (so replicas are identical before validation
   and checkpoints); at the very first call (no W_sync yet) it checks that replicas agree (32 bytes) and
   averages parameters densely only if they do not.
-* `on_optimizer_step` (called after both) zeroes the optimizer's momentum where the last round sent this
-  rank's update (momentum masking), once per round.
+* `optimizer_action` (asked after both) returns the positions where the last round sent this rank's update,
+  once per round: the trainer zeroes the optimizer's momentum there (momentum masking).
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import struct
@@ -31,25 +30,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from compression.config import ExchangeConfig
-from compression.dense import average_parameters, replicas_identical
+from compression.collectives import average_parameters, replicas_identical
+from compression.config import SBC_PRESETS, ExchangeConfig
 from compression.golomb import choose_rice_parameter, gaps_of, max_encoded_bytes, rice_decode, rice_encode
-from compression.protocol import ExchangeStats, ParamSpan, StepContext
-from compression.registry import register
+from compression.protocol import ExchangeMethod, ExchangeStats, OptimizerAction, ParamSpan, StepContext
 
 logger = logging.getLogger(__name__)
 
-# The paper's three configurations (Sattler et al. 2018, Sec. IV-B): SBC(1), SBC(2), SBC(3).
-PRESETS: dict[str, tuple[int, float]] = {
-    "no-delay": (1, 0.001),  # SBC(1): exchange every step, p = 0.1 %
-    "delay-10": (10, 0.01),  # SBC(2): 10 local steps, p = 1 %
-    "delay-100": (100, 0.01),  # SBC(3): 100 local steps, p = 1 %
-}
+PRESETS = SBC_PRESETS  # (delay, density) of the paper's SBC(1), SBC(2), SBC(3)
 SELECTIONS = ("per_sign", "magnitude")
 BINARY_HEADER = struct.Struct("<IBf")  # positions count, Rice parameter b, signed mean
 VALUES_HEADER = struct.Struct("<IB")  # positions count, Rice parameter b; count fp32 values follow
 FP32_BYTES = 4
-MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")  # torch SGD momentum; Adam/AdamW first moment
 PREFILTER_MIN_NUMEL = 65_536  # below this `torch.topk` is already cheap
 PREFILTER_SAMPLE = 16_384  # strided sample size for the top-k prefilter threshold
 
@@ -242,27 +234,22 @@ def _gather_messages(message: torch.Tensor, ctx: StepContext) -> list[torch.Tens
     return [rows[r, : sizes[r]] for r in range(ctx.world_size)]
 
 
-@register("sbc")
-class SparseBinaryCompression:
+class SparseBinaryCompression(ExchangeMethod):
     """SBC: local steps for `delay` optimizer steps, then one sparse-binary round of weight-update averaging.
 
     Options (exchange.sbc.*): delay, density (p), preset (no-delay | delay-10 | delay-100, overrides
     delay and density), binarize, selection, dense_vectors, momentum_masking.
     """
 
+    name = "sbc"
+    section = "sbc"
+    replicas_drift = True  # each rank takes its own optimizer steps between rounds
+
     def __init__(self, config: ExchangeConfig | None = None) -> None:
-        self.config = config or ExchangeConfig(method="sbc")
+        super().__init__(config)
         options = self.config.sbc
-        delay, density = options.delay, options.density
+        delay, density = self.config.delay_and_density()
         if options.preset:
-            if options.preset not in PRESETS:
-                near = difflib.get_close_matches(options.preset, list(PRESETS), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(
-                    f"exchange.sbc.preset: unknown SBC preset {options.preset!r}{hint} "
-                    f"(available: {', '.join(PRESETS)})"
-                )
-            delay, density = PRESETS[options.preset]
             logger.info(
                 "exchange.sbc.preset %s: delay=%d, density=%g (overrides exchange.sbc.delay=%d, "
                 "exchange.sbc.density=%g)",
@@ -271,14 +258,6 @@ class SparseBinaryCompression:
                 density,
                 options.delay,
                 options.density,
-            )
-        if delay < 1:
-            raise ValueError(f"exchange.sbc.delay must be >= 1, got {delay}")
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"exchange.sbc.density must be in (0, 1], got {density}")
-        if options.selection not in SELECTIONS:
-            raise ValueError(
-                f"exchange.sbc.selection must be one of {', '.join(SELECTIONS)}, got {options.selection!r}"
             )
         self.delay = delay
         self.density = density
@@ -294,11 +273,11 @@ class SparseBinaryCompression:
         self.rounds = 0
         self.last_message: torch.Tensor | None = None  # this rank's last wire bytes (for tests, debugging)
         self.last_sent: list[torch.Tensor] = []  # per span, positions this rank sent in the last round
-        self.momentum_to_mask = False  # a round ran since the last on_optimizer_step: mask last_sent there
+        self.momentum_to_mask = False  # a round ran since the last optimizer_action: mask last_sent there
 
-    # --- GradientExchange ----------------------------------------------------------------------------
+    # --- the exchange -----------------------------------------------------------------------------------
 
-    def reduce(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+    def finish(self, flat_grad: torch.Tensor, ctx: StepContext) -> ExchangeStats:
         """No gradient exchange: each rank applies its own gradient; replicas meet every `delay` steps."""
         return ExchangeStats(density=0.0)
 
@@ -334,29 +313,19 @@ class SparseBinaryCompression:
         self.steps_since_sync = int(state["steps_since_sync"])
         self.rounds = int(state["rounds"])
 
-    def on_optimizer_step(
-        self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], layout: Sequence[ParamSpan]
-    ) -> None:
+    def optimizer_action(self) -> OptimizerAction | None:
         """Momentum masking (paper): zero the optimizer's momentum where this rank's last round sent.
 
-        Acts once per round: the first call after the `after_step`/`synchronize_params` that ran it. `params`
-        are the optimizer's parameters in `layout` order. Zeroes SGD's `momentum_buffer` and Adam's `exp_avg`
-        (the latter is our extension; the paper used momentum SGD). Dense spans are left alone. Does nothing
-        when exchange.sbc.momentum_masking is false.
+        Once per round: the first call after the `after_step`/`synchronize_params` that ran it. The trainer
+        zeroes SGD's momentum buffer and Adam's `exp_avg` there (the latter is our extension; the paper used
+        momentum SGD); dense spans sent nothing. None when exchange.sbc.momentum_masking is false.
         """
         if not self.momentum_to_mask:
-            return
+            return None
         self.momentum_to_mask = False
         if not self.config.sbc.momentum_masking:
-            return
-        for param, span, positions in zip(params, layout, self.last_sent):
-            if positions.numel() == 0 or param not in optimizer.state:
-                continue
-            state = optimizer.state[param]
-            for key in MOMENTUM_STATE_KEYS:
-                buffer = state.get(key)
-                if isinstance(buffer, torch.Tensor) and buffer.numel() == span.numel:
-                    buffer.view(-1)[positions] = 0
+            return None
+        return OptimizerAction(zero_momentum=list(self.last_sent))
 
     # --- rounds ----------------------------------------------------------------------------------------
 

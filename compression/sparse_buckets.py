@@ -1,16 +1,17 @@
-"""Sparse rounds bucket by bucket while backward runs (`exchange.overlap` for dropping, local_mix and dgc).
+"""Sparse rounds bucket by bucket (dropping, local_mix and dgc): one round per bucket the trainer starts.
 
-Why: the sparse exchange otherwise starts after the whole backward pass, although the last layers' gradients
+Why: without `exchange.overlap` the whole buffer is one bucket and this is the method's one sparse round;
+with it, the sparse exchange need not wait for the whole backward pass, since the last layers' gradients
 are ready long before the embeddings'. With one threshold per layer (`exchange.threshold: layer`) a span's
-selection depends on that span alone, so each bucket of whole spans (nmt/training/overlap.py) can run its
+selection depends on that span alone, so each bucket of whole spans (nmt/training/route.py) can run its
 own round, threshold, compaction and all-gather, as soon as backward has produced it. A global threshold
-needs every gradient first; the configuration refuses that pairing. The lossless parts (dense vectors,
-embedding rows) still travel in the step's `reduce`, after backward: they are small, and the touched rows
-are known only then.
+needs every gradient first; the configuration refuses that pairing with overlap. The lossless parts (dense
+vectors, embedding rows) travel in the method's `finish`, after backward: they are small, and the touched
+rows are known only then.
 
 Each bucket's round works on a copy of its slice of the residual plus the gradient; the residual takes the
 copy's leftover only when the step's `reduce` finishes the rounds, so a skipped step (NaN/inf on some rank,
-`drop_buckets`) changes nothing. DGC's momentum is carried the same way: each bucket updates a copy of its
+`drop`) changes nothing. DGC's momentum is carried the same way: each bucket updates a copy of its
 slice (u <- m u + g), adds it to the copy of the velocity slice it sparsifies (v <- v + u), and both copies
 replace their slices at the finish, the momentum with the sent entries zeroed (momentum factor masking).
 What differs from one round over the whole buffer:
@@ -19,7 +20,8 @@ What differs from one round over the whole buffer:
   neither form overflows in practice, and then the two give the same message entries;
 - the sampled threshold estimator draws each bucket's offsets in bucket order with the bucket's share of
   `exchange.sample_size`: other samples, the same estimator. With `threshold_estimator: exact` and no
-  overflow the step equals the step without overlap bit for bit (tested on 2 gloo ranks).
+  overflow the step equals the step without overlap bit for bit (tested on 2 gloo ranks). The whole buffer
+  as one bucket is exactly the method's one round over the whole buffer.
 """
 
 from __future__ import annotations

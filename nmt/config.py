@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from compression.config import RENAMED_KEYS, ExchangeConfig
+from compression.registry import exchange_problems, options_not_read
 from nmt.data.config import DataConfig
 from nmt.decoding.config import DecodeConfig
 from nmt.models.config import PRESETS, ModelConfig
@@ -49,7 +50,10 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
 
-    def validate(self) -> None:
+    def validate(self, requirements: bool = True) -> None:
+        """Every section's ranges, then the exchange against its method: the options it reads and, with
+        `requirements`, what it needs of the rest of the recipe (e.g. dgc: plain SGD). A config the program
+        wrote (a checkpoint's) skips the latter: it bound the run that wrote it, not what reads it now."""
         if not self.model_dir.strip():
             raise ValueError("model_dir must not be empty; set it to the directory that holds the run")
         if self.seed < 0:
@@ -61,6 +65,10 @@ class Config:
                 "model.tie_embeddings: 'all' needs a joint vocabulary, but data.vocab.tgt_model is set; "
                 "use tie_embeddings: decoder or drop data.vocab.tgt_model"
             )
+        run = {name: dataclasses.asdict(getattr(self, name)) for name in ("data", "model", "train", "valid")}
+        problems = exchange_problems(self.exchange, run if requirements else None)
+        if problems:
+            raise ValueError(problems[0])
 
 
 # ---------------------------------------------------------------------------------------------- YAML
@@ -318,7 +326,7 @@ def _ignore_options_not_read(config: Config, origins: _Origins, warn: bool) -> N
     """An old-layout exchange section (a checkpoint's config.yml) may set options its method never read: they
     were ignored then, so they are ignored now (back to their default, one warning line each)."""
     exchange = config.exchange
-    for key in exchange.options_not_read():
+    for key in options_not_read(exchange):
         if warn:
             logger.warning(
                 "%s%s is ignored: exchange.method %r does not read it (tolerated beside the old flat keys, "
@@ -338,6 +346,7 @@ def config_from_dict(
     *,
     old_exchange_keys: bool = False,
     warn_old_keys: bool = True,
+    requirements: bool = True,
 ) -> Config:
     """Build and validate a Config from a nested dict (what YAML gives).
 
@@ -354,7 +363,7 @@ def config_from_dict(
     if old_exchange_keys:
         _ignore_options_not_read(config, origins, warn_old_keys)
     try:
-        config.validate()
+        config.validate(requirements)
     except ValueError as err:
         message = " ".join(str(err).split())
         raise ConfigError(f"{origins.where_message(message)}{message}") from None
@@ -369,8 +378,18 @@ def _deep_copy(tree: Any) -> Any:
     return tree
 
 
+def load_saved_config(path: str | Path) -> Config:
+    """A config.yml the program wrote (a checkpoint's): nothing there for the user to rename, and the
+    method's requirements on training bound the run that wrote it, not what reads it now (decoding)."""
+    return load_config(path, warn_old_keys=False, requirements=False)
+
+
 def load_config(
-    path: str | Path | None, overrides: list[str] | None = None, *, warn_old_keys: bool = True
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    *,
+    warn_old_keys: bool = True,
+    requirements: bool = True,
 ) -> Config:
     """Load a recipe and apply `key.path=value` overrides (later ones win).
 
@@ -396,7 +415,13 @@ def load_config(
             del by_key[known]  # a later override of the same key (or its section) replaces the earlier one
         by_key[dotted] = text
     return config_from_dict(
-        tree, source, lines, by_key, old_exchange_keys=old_exchange_keys, warn_old_keys=warn_old_keys
+        tree,
+        source,
+        lines,
+        by_key,
+        old_exchange_keys=old_exchange_keys,
+        warn_old_keys=warn_old_keys,
+        requirements=requirements,
     )
 
 

@@ -165,8 +165,8 @@ def _self_path(node: ast.AST) -> str:
 
 def registry_choices() -> dict[str, tuple[Any, ...]]:
     """Keys whose accepted names live in a registry rather than in a `validate()` tuple."""
+    from compression.config import SBC_PRESETS
     from compression.registry import available_methods
-    from compression.sbc import PRESETS as SBC_PRESETS
 
     return {
         "model.preset": tuple(MODEL_PRESETS),
@@ -293,7 +293,7 @@ def _model_presets() -> list[str]:
 
 
 def _sbc_presets() -> list[str]:
-    from compression.sbc import PRESETS as SBC_PRESETS
+    from compression.config import SBC_PRESETS
 
     lines = [
         "",

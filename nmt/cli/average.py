@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nmt.cli.common import OneLineParser, fail
+from nmt.cli.common import OneLineParser, add_out_argument, fail
 from nmt.config import ConfigError
 from nmt.data.corpus import CorpusError
 from nmt.training.averaging import (
@@ -54,11 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="average the N checkpoints with the highest dev BLEU (DIR/metrics.jsonl) that still exist",
     )
-    parser.add_argument(
-        "--out", required=True, metavar="DIR2", help="new checkpoint directory (nmt-translate --model DIR2)"
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="replace --out if it is a non-empty checkpoint directory"
+    add_out_argument(
+        parser,
+        "new checkpoint directory (nmt-translate --model DIR2)",
+        "DIR2",
+        force="replace --out if it is a non-empty checkpoint directory",
     )
     return parser
 

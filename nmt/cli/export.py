@@ -14,10 +14,9 @@ checkpoint, an RNN model, an --out that is a file or a non-empty directory (with
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from nmt.cli.common import OneLineParser, fail
+from nmt.cli.common import OneLineParser, add_model_argument, add_out_argument, check_model_dir, fail
 from nmt.export.ctranslate2 import QUANTIZATIONS, export_ctranslate2
 
 
@@ -29,13 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a CTranslate2 model directory (Transformer models)",
         description="Write a CTranslate2 model directory for a Transformer checkpoint.",
     )
-    ct2.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR",
-        help="model directory (its best checkpoint) or step-* directory",
-    )
-    ct2.add_argument("--out", required=True, metavar="OUT", help="directory to write")
+    add_model_argument(ct2, ensemble=False, what="model directory (its best checkpoint) or step-* directory")
     ct2.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
@@ -48,16 +41,14 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the model's exact output distribution: score_batch then gives nmt-score's log-probs "
         "(within 1e-5), but decoding may emit pad or bos, which the default export blocks (output bias)",
     )
-    ct2.add_argument("--force", action="store_true", help="replace an earlier export in OUT")
+    add_out_argument(ct2, "directory to write", "OUT", force="replace an earlier export in OUT")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.model):
-        what = "not a directory" if os.path.exists(args.model) else "no such directory"
-        fail(parser, f"--model {args.model}: {what}; point it at a model or step-* checkpoint directory")
+    check_model_dir(parser, args.model, "directory")
     try:
         out = export_ctranslate2(
             args.model,

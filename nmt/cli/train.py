@@ -22,11 +22,7 @@ import torch
 
 from compression.hierarchy import resolve_hierarchy
 from compression.registry import is_asynchronous, job_processes
-from nmt.cli.common import OneLineParser
-from nmt.config import Config, ConfigError, dump_config, load_config
-from nmt.data.corpus import CorpusError, check_parallel_files
-from nmt.evaluation import bleu_metric
-from nmt.training.checkpoint import (
+from nmt.checkpoint import (
     CheckpointError,
     ModelDirLock,
     acquire_model_dir_lock,
@@ -36,6 +32,10 @@ from nmt.training.checkpoint import (
     repair_last_link,
     step_checkpoints,
 )
+from nmt.cli.common import OneLineParser
+from nmt.config import Config, ConfigError, dump_config, load_config, load_saved_config
+from nmt.data.corpus import CorpusError, check_parallel_files
+from nmt.evaluation import bleu_metric
 from nmt.training.distributed import (
     WorkerInfo,
     launch_local_workers,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(note, file=sys.stderr)
     try:
         if is_asynchronous(config.exchange.method):  # dgs: N workers + 1 parameter server (docs/dgs.md)
-            from nmt.training.async_trainer import main_async
+            from nmt.training.dgs.entry import main_async
 
             return main_async(config, workers, _without_workers_flag(argv))
         if workers > 1 and not under_launcher():
@@ -292,7 +292,7 @@ def _check_resume(config: Config, workers: int) -> list[str]:
         world = job_processes(config.exchange.method, workers)
     check_world_size(ckpt, world, servers=job_processes(config.exchange.method, 0))
     try:
-        saved = load_config(ckpt / "config.yml", warn_old_keys=False)  # written by us
+        saved = load_saved_config(ckpt / "config.yml")
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / 'config.yml'}: cannot be read to resume ({err})") from None
     notes += check_resume_options(saved, config, model_dir)

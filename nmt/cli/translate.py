@@ -28,19 +28,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, TextIO
 
-from nmt.cli.common import (
-    OneLineParser,
-    close_output,
-    fail,
-    flag_message,
-    open_output,
-    output_failed,
-    reader_went_away,
-)
+from nmt.cli import common as cli
 from nmt.decoding.translator import Translator, apply_overrides
-
-CHUNK_LINES = 2000  # lines translated at once: big enough to sort by length, small enough to stream
-LISTED_LINES = 10  # truncated line numbers listed in the warning
 
 
 class InputError(ValueError):
@@ -48,14 +37,8 @@ class InputError(ValueError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="nmt-translate", description="Translate text with trained nmt model(s).")
-    parser.add_argument(
-        "--model",
-        action="append",
-        required=True,
-        metavar="DIR",
-        help="checkpoint directory; repeat for an ensemble",
-    )
+    parser = cli.OneLineParser(prog="nmt-translate", description="Translate text with trained nmt model(s).")
+    cli.add_model_argument(parser, ensemble=True, what="checkpoint directory")
     parser.add_argument("--input", metavar="FILE", help="source text, one sentence per line (default: stdin)")
     parser.add_argument("--output", metavar="FILE", help="where to write translations (default: stdout)")
     parser.add_argument("--beam-size", type=int, help="beam size (1 = greedy)")
@@ -63,13 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len-factor", type=float, help="output at most F * source length + b tokens")
     parser.add_argument("--length-penalty", type=float, help="score = log-prob / length**A")
     parser.add_argument("--batch-sentences", type=int, help="sentences per batch")
-    parser.add_argument(
-        "--max-input-tokens",
-        type=int,
-        help="cut longer input lines to this many subword tokens (default: decode.max_input_tokens, 250; "
-        "0 = no limit)",
+    cli.add_decoding_arguments(
+        parser,
+        "cut longer input lines to this many subword tokens (default: decode.max_input_tokens, 250; 0 = no "
+        "limit)",
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     return parser
 
 
@@ -172,7 +153,7 @@ def _write(out: TextIO, translator: Translator, chunk: list[str], first_index: i
 
 def _truncation_warning(lines: list[int], limit: int) -> str:
     """'3 input lines longer than 250 tokens were truncated (lines 4, 9, 17)' and what to do about it."""
-    listed = ", ".join(str(n) for n in lines[:LISTED_LINES]) + (", ..." if len(lines) > LISTED_LINES else "")
+    listed = cli.listed_lines(lines)
     if len(lines) == 1:
         counted = f"1 input line longer than {limit} tokens was truncated (line {listed})"
     else:
@@ -182,31 +163,10 @@ def _truncation_warning(lines: list[int], limit: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            fail(parser, "--device cuda: CUDA is not available on this machine; use --device cpu")
-    for path in args.model:
-        if not os.path.isdir(path):
-            if os.path.exists(path):
-                fail(
-                    parser,
-                    f"--model {path}: not a directory; point it at a model or step-* checkpoint directory",
-                )
-            fail(parser, f"--model {path}: no such checkpoint directory")
+    args = cli.parse_decoding_args(parser, argv)
     if args.input:
-        if os.path.isdir(args.input):
-            fail(
-                parser,
-                f"--input {args.input}: is a directory, expected a text file with one sentence per line",
-            )
-        if not os.path.isfile(args.input):
-            fail(parser, f"--input {args.input}: no such file")
-    if args.output and args.input and os.path.exists(args.output):
-        if os.path.samefile(args.output, args.input):
-            fail(parser, f"--output {args.output} is the --input file; writing would destroy the input")
+        cli.check_input_file(parser, "--input", args.input)
+        cli.refuse_output_over_input(parser, args.output, {"--input": args.input})
     overrides = {option: getattr(args, option) for option in _FLAGS if option != "n_best"}
     try:
         translator = Translator.from_checkpoints(args.model, device=args.device, **overrides)
@@ -217,43 +177,34 @@ def main(argv: list[str] | None = None) -> int:
             )
             translator.cfg = apply_overrides(translator.cfg, {"n_best": args.n_best, "beam_size": beam})
     except (ValueError, OSError) as error:
-        fail(parser, flag_message(str(error), args, _FLAGS))
+        cli.fail(parser, cli.flag_message(str(error), args, _FLAGS))
     nbest = args.n_best is not None
     try:
         source = open(args.input, "rb") if args.input else getattr(sys.stdin, "buffer", sys.stdin)
     except OSError as error:
-        fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
+        cli.fail(parser, f"--input {args.input}: cannot read it ({error.strerror})")
     try:
-        out = open_output(parser, args.output)
+        out = cli.open_output(parser, args.output)
     except SystemExit:  # the output cannot be written: one line, and the input is closed first
         if args.input:
             source.close()
         raise
-    name = f"--input {args.input}" if args.input else "stdin"
-    truncated: list[int] = []
+    lines = _decoded_lines(source, f"--input {args.input}" if args.input else "stdin")
+    chunk = _chunks if _is_regular_file(source) else _arrived_chunks
+
+    def translate(lines: list[str], first: int) -> list[int]:
+        _write(out, translator, lines, first, nbest)
+        return translator.last_truncated
+
     try:
-        index = 0
-        lines = _decoded_lines(source, name)
-        chunks = (
-            _chunks(lines, CHUNK_LINES) if _is_regular_file(source) else _arrived_chunks(lines, CHUNK_LINES)
+        truncated = cli.stream_chunks(
+            parser, chunk(lines, cli.CHUNK_LINES), translate, args.output, out, (InputError,)
         )
-        for chunk in chunks:
-            _write(out, translator, chunk, index, nbest)
-            truncated.extend(index + i + 1 for i in translator.last_truncated)
-            index += len(chunk)
-    except InputError as error:
-        fail(parser, str(error))
-    except BrokenPipeError:
-        return reader_went_away()
-    except OSError as error:
-        output_failed(parser, args.output, error)
     finally:
         if args.input:
             source.close()
-        close_output(out, args.output)
-    if truncated:
-        print(_truncation_warning(truncated, translator.cfg.max_input_tokens), file=sys.stderr, flush=True)
-    return 0
+    limit = translator.cfg.max_input_tokens
+    return cli.exit_after_stream(truncated, lambda lines: _truncation_warning(lines, limit))
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class Translator:
     ) -> Translator:
         """Load one model (or an ensemble) from checkpoint directories; decoding options come from the
         first checkpoint's `decode:` config, with `decode_overrides` (None values ignored) on top."""
-        from nmt.training.checkpoint import load_inference_bundle  # the lead's checkpoint format
+        from nmt.checkpoint import load_inference_bundle  # here: nmt.checkpoint imports nmt.config
 
         if not paths:
             raise ValueError("from_checkpoints needs at least one checkpoint path")

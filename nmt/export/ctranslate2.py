@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nmt.checkpoint import InferenceBundle, load_inference_bundle
 from nmt.data.vocab import BOS_ID, EOS_ID, UNK_ID, Vocab
 from nmt.decoding.config import DecodeConfig
 from nmt.models.build import build_model
 from nmt.models.transformer import Transformer, sinusoidal_positions
-from nmt.training.checkpoint import InferenceBundle, load_inference_bundle
 
 QUANTIZATIONS = ("int8", "int16", "float16", "bfloat16", "float32")
 # exp(-1e4) is exactly 0 in float32, and -1e4 stays finite in float16 and bfloat16 (max ~6.5e4), so a

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nmt.training.checkpoint import (
+from nmt.checkpoint import (
     META_FILE,
     MODEL_FILE,
     VOCAB_FILE,

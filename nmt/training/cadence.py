@@ -7,6 +7,10 @@ server). The limits are `train.max_steps`, `max_wall_s` (training, validation an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 from nmt.training.config import TrainConfig, ValidConfig
 
 
@@ -42,3 +46,33 @@ class Cadence:
         if not every:
             return False
         return int(train_s // every) > int(last_valid_train_s // every)
+
+
+def after_update(
+    cadence: Cadence,
+    step: int,
+    stop: bool,
+    *,
+    log: Callable[[], None],
+    validate: Callable[[], tuple[bool, bool]],
+    save: Callable[[bool], Path],
+    checkpoints: Any,
+    validate_now: bool = False,
+) -> bool:
+    """What follows every applied update, the same in both trainers: a train row when one is due; validation
+    and a checkpoint (linked as best when it improved, older ones pruned) when due or at the end; otherwise a
+    checkpoint when one is due. `save(finished)`; returns whether the run stops (a limit or early stopping).
+    """
+    if cadence.log_due(step, stop):
+        log()
+    if cadence.validation_due(step, validate_now) or stop:
+        improved, early = validate()
+        ckpt = save(stop or early)
+        if improved:
+            checkpoints.mark_best(ckpt)
+        checkpoints.prune()
+        return stop or early
+    if cadence.save_due(step):
+        save(False)
+        checkpoints.prune()
+    return stop

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nmt.checkpoint import load_inference_bundle
 from nmt.config import Config
 from nmt.data.batching import batches_for_loss
 from nmt.data.corpus import CorpusError, read_lines
@@ -27,7 +28,6 @@ from nmt.data.vocab import Vocab
 from nmt.decoding.translator import Translator
 from nmt.evaluation import Scores, score_corpus
 from nmt.models.loss import label_smoothed_cross_entropy
-from nmt.training.checkpoint import load_inference_bundle
 from nmt.training.metrics import MetricsLog, Progress
 
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from nmt.config import Config, ConfigError, load_config
-from nmt.training.checkpoint import (
+from nmt.checkpoint import (
     VOCAB_FILE,
     CheckpointError,
     find_resume_dir,
     load_inference_bundle,
     resolve_checkpoint,
 )
+from nmt.config import Config, ConfigError, load_saved_config
 
 # model: keys that do not change the shape or meaning of the weights, so a fine-tuning run may set them anew.
 FREE_MODEL_KEYS = ("preset", "dropout", "attention_dropout", "max_positions")
@@ -71,7 +71,7 @@ def apply_init_from(config: Config, notes: list[str] | None = None) -> Path | No
     if ckpt is None:
         return None
     try:
-        saved = load_config(ckpt / "config.yml", warn_old_keys=False)  # written by us: nothing to rename
+        saved = load_saved_config(ckpt / "config.yml")
     except ConfigError as err:
         raise CheckpointError(f"train.init_from: {ckpt / 'config.yml'} is not valid ({err})") from None
     old, new = asdict(saved.model), asdict(config.model)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from nmt.checkpoint import CheckpointError
 from nmt.config import Config, config_to_dict
-from nmt.training.checkpoint import CheckpointError
 from nmt.training.config import TrainConfig
 from nmt.training.init_from import FREE_MODEL_KEYS
 from nmt.training.setup import lr_factor

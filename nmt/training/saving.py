@@ -3,7 +3,7 @@
 A checkpoint holds the model (written by rank 0), the smoothed weights under every name of a tied parameter,
 meta.json, and per rank: that rank's random streams plus whatever its trainer needs to continue exactly
 (optimizer, exchange residuals, data position; the DGS server's and workers' state). The directory layout,
-atomic writes, `last`/`best` links and pruning are `nmt/training/checkpoint.py`'s.
+atomic writes, `last`/`best` links and pruning are the `nmt.checkpoint` package's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nmt.training.checkpoint import CheckpointWriter, load_training_state
+from nmt.checkpoint import CheckpointWriter, load_training_state
 from nmt.training.setup import RunSetup, restore_rng_state, rng_state
 from nmt.training.smoothing import SmoothedWeights
 

@@ -38,6 +38,10 @@ class LogInterval(TokenTotals):
         self.exchange_s += result.exchange_s
         self.seconds += seconds
 
+    def reset(self) -> None:
+        """Start the next interval (after a train row)."""
+        self.__dict__.update(LogInterval().__dict__)
+
     def summary(self) -> dict[str, float]:
         steps = max(self.steps, 1)
         return {

@@ -3,12 +3,12 @@
 The update step (`Trainer.train_step`) reads top to bottom:
     one tiny all_reduce of the step's target tokens        (global normalisation, known before backward)
     micro-batches -> backward into the flat gradient buffer (delayed update, no exchange in between)
-    scale; one small all_reduce of [loss, votes]           (agreement to skip a bad step, stop, validate)
-    exchange.reduce(flat_grad)                             the ONE place where ranks exchange gradients
+    the gradient's route: scale + check per bucket          (nmt/training/route.py; buckets may leave now)
+    one small all_reduce of [loss, votes]                   (agreement to skip a bad step, stop, validate)
+    route.exchange_gradient                                 the ONE place where ranks exchange gradients
     clip -> optimizer.step -> scheduler.step
-    exchange.after_step(flat_params)                       parameter averaging, delayed synchronisation
-    exchange.on_optimizer_step(optimizer)                  e.g. SBC's momentum masking
-    ema.update
+    exchange.after_step(flat_params)                        the method decides whether this step syncs
+    the exchange's optimizer action (e.g. SBC's momentum mask), smoothing
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import torch
 import torch.distributed as dist
 
 from compression import ExchangeStats, StepContext, build_exchange
-from compression.dense import average_parameters, replicas_identical
+from compression.collectives import average_parameters, replicas_identical
 from compression.hierarchy import resolve_hierarchy
+from nmt.checkpoint import find_resume_dir, restore_best_link
 from nmt.config import Config, ConfigError, save_config
 from nmt.data.batching import Batch
 from nmt.models.loss import label_smoothed_cross_entropy
-from nmt.training.cadence import Cadence
-from nmt.training.checkpoint import find_resume_dir, restore_best_link
+from nmt.training.cadence import Cadence, after_update
 from nmt.training.distributed import WorkerInfo
-from nmt.training.divergence import DivergenceWatch
-from nmt.training.errors import TrainingDiverged
+from nmt.training.divergence import DivergenceGuard
 from nmt.training.evaluator import Evaluator, Shard
 from nmt.training.metrics import Limits, MetricsLog, Progress
-from nmt.training.overlap import BackwardBuckets, OverlapStep
+from nmt.training.optimizer import apply_optimizer_action, build_optimizer
 from nmt.training.resume_options import apply_train_options
+from nmt.training.route import GradientRoute
 from nmt.training.saving import RunCheckpoints
 from nmt.training.setup import build_run, lr_factor
 from nmt.training.smoothing import SmoothedWeights
@@ -54,41 +54,23 @@ class Trainer:
         self.precision = self.setup.precision
         train = config.train
         self.embedding_streams = self.model.embedding_streams()
-
-        params = [p for _, p in self.flat.named]
-        if train.optimizer == "adam":
-            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
-                params,
-                lr=train.lr,
-                betas=tuple(train.adam_betas),
-                eps=train.adam_eps,
-                weight_decay=train.weight_decay,
-                # One fused kernel over all parameters: 6 ms instead of 25 ms per step for the 6.5M-parameter
-                # tiny preset on one AVX2 core (bench/step_profile.py); CPU and CUDA both have it.
-                fused=True,
-            )
-        else:
-            self.optimizer = torch.optim.SGD(
-                params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
-            )
+        self.params = [p for _, p in self.flat.named]
+        self.optimizer = build_optimizer(train, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
         try:  # exchange.hierarchy auto/node: the node size of this job (compression/hierarchy.py)
             exchange_config = resolve_hierarchy(config.exchange, info.world_size, info.local_world_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.exchange = build_exchange(exchange_config)
-        overlap = config.exchange.overlap and info.world_size > 1  # nmt/training/overlap.py
-        self.buckets = BackwardBuckets(self.flat, int(config.exchange.bucket_mb * 2**20)) if overlap else None
+        overlap = config.exchange.overlap and info.world_size > 1
+        self.route = GradientRoute(self.flat, self.exchange, overlap, int(config.exchange.bucket_mb * 2**20))
         last_worker = info.rank == info.world_size - 1
         self.straggler_s = train.straggler_ms / 1000.0 if last_worker and info.world_size > 1 else 0.0
         self.smoothed = SmoothedWeights(self.flat, train.ema_decay)
         self.autocast = self.precision.autocast(device.type)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision.precision == "fp16" else None
         self.cadence = Cadence(train, config.valid)
-        self.divergence = DivergenceWatch(train.divergence_window, train.divergence_margin)
-        self.last_batches: list[Batch] = []
-        self.last_step_loss = float("nan")  # per token, of the weights before the last step's update
-        self.judged_step = -1
+        self.guard = DivergenceGuard(self)
 
         self.batches = self.setup.train_batches(info.rank, info.world_size)
         self.state = RunState()
@@ -120,12 +102,6 @@ class Trainer:
         """The smoothed flat weights (train.ema_decay), or None."""
         return self.smoothed.tensor
 
-    # ------------------------------------------------------------------------------ collectives
-
-    def barrier(self) -> None:
-        if self.info.world_size > 1:
-            dist.barrier()
-
     def context(self, touched: dict[str, torch.Tensor] | None = None) -> StepContext:
         return StepContext(
             step=self.state.step,
@@ -143,46 +119,26 @@ class Trainer:
     ) -> StepResult:
         """One optimizer step over `micro_batches` (delayed update); every rank calls it together."""
         self.model.train()
-        self.last_batches = micro_batches  # what the weights after this step are judged on before a save
-        flat_grad = self.flat.grads
-        touched = self._touched_rows(micro_batches)
-        # The global token count before backward (one tiny all-reduce), so that the gradient can be scaled as
-        # it completes: world_size * grad / global_tokens, averaged over ranks, is exactly the per-token
-        # gradient of the union of the batches.
+        ctx = self.context(self._touched_rows(micro_batches))
         global_tokens = self._global_tokens(micro_batches)
-        scale = self._gradient_scale(global_tokens)
-        overlap = (
-            OverlapStep(flat_grad, scale, self.exchange, self.context(touched))
-            if self.buckets is not None
-            else None
-        )
+        self.route.begin(self._gradient_scale(global_tokens), ctx)
         loss_sum = torch.zeros((), device=self.device)
         nll_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
-            if overlap is not None and i == len(micro_batches) - 1:
-                self.buckets.arm(overlap.launch)  # exchange.overlap: buckets leave during this backward
             with self.autocast:
                 logits = self.model(batch.src, batch.tgt_in)
             loss, nll, _ = label_smoothed_cross_entropy(
                 logits, batch.tgt_out, self.config.train.label_smoothing, self.model.pad_id
             )
+            self.route.before_backward(last=i == len(micro_batches) - 1)
             (self.scaler.scale(loss) if self.scaler else loss).backward()  # sums into the flat buffer
             loss_sum += loss.detach()
             nll_sum += nll.detach()
+        gradient_square = self.route.after_backward()  # scaled and checked; with overlap, buckets are out
 
-        # A bad step: NaN/inf in this rank's loss, or in the fp32 norm of its scaled gradient (NaN/inf values,
-        # or values so large that the norm overflows: a diverging run's gradient reaches that while finite).
-        if (
-            overlap is not None
-        ):  # every bucket is on the wire now, scaled and checked; `reduce` waits for them
-            self.buckets.flush()
-            gradient_square = overlap.square_sum
-        else:
-            flat_grad.mul_(scale)
-            gradient_square = torch.dot(flat_grad, flat_grad)
+        # One tiny collective: loss, stop and validation votes, and the bad-step vote: NaN/inf in some rank's
+        # loss or in the fp32 norm of its scaled gradient (a diverging run's reaches inf while finite).
         non_finite = ~torch.isfinite(loss_sum + gradient_square)
-
-        # Loss, stop vote and bad-step vote in one tiny collective.
         control = torch.stack(
             [
                 loss_sum,
@@ -195,23 +151,19 @@ class Trainer:
         if self.info.world_size > 1:
             dist.all_reduce(control, group=self.group)
         global_loss, global_nll, votes, validate_votes, bad_ranks = control.tolist()
-        # Every rank skips a step where any rank saw NaN/inf (fp16 overflow, or divergence), all together.
-        skip = bad_ranks > 0
-        self._count_non_finite(skip)
+        skip = bad_ranks > 0  # every rank skips the step together
+        self.guard.count_bad_step(skip)
         self.state.last_loss_finite = math.isfinite(global_loss)
 
+        started = time.perf_counter()
+        stats = self.route.exchange_gradient(skip)
+        exchange_s = time.perf_counter() - started
         grad_norm = float("nan")
-        stats, exchange_s = ExchangeStats(), 0.0
-        if skip and overlap is not None:
-            self.exchange.drop_buckets()  # no residual or counter may change on a skipped step
         if not skip:
-            started = time.perf_counter()
-            stats = self.exchange.reduce(flat_grad, self.context(touched))
-            exchange_s = time.perf_counter() - started
-            grad_norm = float(flat_grad.norm())
+            grad_norm = float(self.flat.grads.norm())
             clip = self.config.train.clip_norm
             if clip > 0 and grad_norm > clip:
-                flat_grad.mul_(clip / (grad_norm + 1e-6))
+                self.flat.grads.mul_(clip / (grad_norm + 1e-6))
             self.optimizer.step()
         if self.scaler is not None:
             self._update_scaler(skip)
@@ -221,10 +173,10 @@ class Trainer:
             started = time.perf_counter()
             stats = stats.merge(self.exchange.after_step(self.flat.params, self.context()))
             exchange_s += time.perf_counter() - started
-            self._exchange_on_optimizer()
+            self._apply_optimizer_action()
             self.smoothed.update()
-        flat_grad.zero_()
-        return StepResult(
+        self.flat.grads.zero_()
+        result = StepResult(
             global_loss,  # the loss of the weights before the step, also when the step was skipped
             global_nll,
             int(global_tokens),
@@ -235,6 +187,8 @@ class Trainer:
             validate_votes > 0,
             skipped=skip,
         )
+        self.guard.observe(micro_batches, global_loss, result.tokens)  # the loss watch
+        return result
 
     def _gradient_scale(self, global_tokens: float) -> float:
         """world_size / global target tokens (and 1 / the fp16 loss scale): rank average = per-token mean."""
@@ -252,80 +206,10 @@ class Trainer:
         dist.all_reduce(total, group=self.group)
         return float(total.item())
 
-    def _count_non_finite(self, skip: bool) -> None:
-        """Count skipped steps; stop the run (every rank together) after train.max_bad_steps in a row."""
-        if not skip:
-            self.state.bad_steps_in_row = 0
-            return
-        self.state.skipped_steps += 1
-        self.state.bad_steps_in_row += 1
-        limit = self.config.train.max_bad_steps
-        if limit and self.state.bad_steps_in_row >= limit:
-            raise self._diverged(
-                self.state.step + 1,
-                f"the loss or the gradients were NaN/inf in {limit} consecutive steps (train.max_bad_steps)",
-            )
-
-    def _diverged(self, step: int, what: str) -> TrainingDiverged:
-        """The one line a diverged run stops with: the step, what was seen, the checkpoint a rerun resumes."""
-        last = self.model_dir / "last"
-        resumes = (
-            f"it resumes from {self.model_dir.name}/{last.resolve().name} with the new value"
-            if last.is_symlink()
-            else "there is no earlier checkpoint: it starts afresh"
-        )
-        return TrainingDiverged(
-            f"step {step}: {what}; the run diverged and nothing of it was saved: lower train.lr (now "
-            f"{self.config.train.lr:g}) or raise train.warmup_steps, then rerun ({resumes})"
-        )
-
-    def _watch_divergence(self, result: StepResult) -> None:
-        """Stop (every rank together: they all see the same loss) when the loss has run away."""
-        self.last_step_loss = result.loss_sum / max(result.tokens, 1)
-        reason = self.divergence.observe(self.last_step_loss)
-        if reason is not None:
-            raise self._diverged(self.state.step, reason)
-
-    def _check_trustworthy_weights(self) -> None:
-        """Never validate, save or link a model holding NaN/inf, one whose last loss was NaN/inf, or one whose
-        loss on the last step's batches has run away (all ranks hold the same synchronised model)."""
-        if not self.state.last_loss_finite:
-            raise self._diverged(
-                self.state.step,
-                "the loss of the last step was NaN/inf, so the weights that produced it cannot be trusted",
-            )
-        tensors = [("parameters", self.flat.params)] + (
-            [("smoothed weights", self.ema)] if self.ema is not None else []
-        )
-        for what, tensor in tensors:
-            if not bool(torch.isfinite(tensor.sum())):
-                raise self._diverged(self.state.step, f"the {what} hold NaN/inf")
-        if self.last_batches and self.judged_step != self.state.step:
-            self.judged_step = self.state.step  # validation and the save at one step judge once
-            reason = self.divergence.judge(self._loss_after_update(), self.last_step_loss)
-            if reason is not None:
-                raise self._diverged(self.state.step, f"the weights after this step diverged: {reason}")
-
-    @torch.no_grad()
-    def _loss_after_update(self) -> float:
-        """Per-token training loss of the current weights on the last step's batches, over all ranks."""
-        self.model.eval()  # no dropout: no random stream is consumed, so an exact resume is unaffected
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.last_batches:
-            with self.autocast:
-                logits = self.model(batch.src, batch.tgt_in)
-            loss, _, n_tokens = label_smoothed_cross_entropy(
-                logits, batch.tgt_out, self.config.train.label_smoothing, self.model.pad_id
-            )
-            totals += torch.tensor([float(loss), float(n_tokens)], dtype=torch.float64, device=self.device)
-        if self.info.world_size > 1:
-            dist.all_reduce(totals, group=self.group)
-        return float(totals[0] / max(float(totals[1]), 1.0))
-
-    def _exchange_on_optimizer(self) -> None:
-        """The exchange knows what it just did (SBC: what it sent, for momentum masking); the trainer owns the
-        optimizer. Called after after_step and after synchronize_params."""
-        self.exchange.on_optimizer_step(self.optimizer, [p for _, p in self.flat.named], self.flat.layout)
+    def _apply_optimizer_action(self) -> None:
+        """What the exchange asks of the optimizer (SBC: zero the momentum where it sent)."""
+        action = self.exchange.optimizer_action()
+        apply_optimizer_action(self.optimizer, self.params, self.flat.layout, action)
 
     def _update_scaler(self, found_inf: bool) -> None:
         # GradScaler.update needs per-optimizer inf records; we unscaled by hand, so set the scale directly.
@@ -383,7 +267,6 @@ class Trainer:
             wall = time.perf_counter() - start
             vote = self._limit_reached(wall, upcoming_step=self.state.step + 1)
             result = self.train_step(micro, stop_vote=vote, validate_vote=self._validation_clock_due())
-            self._watch_divergence(result)  # before anything is logged as valid, validated or saved
             step_s = time.perf_counter() - step_started
             self.state.wall_s = time.perf_counter() - start
             self.state.train_s += step_s
@@ -391,15 +274,13 @@ class Trainer:
             self.state.bytes_received += result.stats.bytes_received
             self.state.tokens_seen += result.tokens
             interval.add(result, step_s)
-            stop = result.stop
-            step = self.state.step
             epoch_summary = self.batches.pop_epoch_summary()
             if epoch_summary:  # skipped pairs are shown, not only counted
                 progress.write(f"nmt-train: {epoch_summary}")
 
-            if self.cadence.log_due(step, stop):
+            def log_row(result: StepResult = result, interval: LogInterval = interval) -> None:
                 row = {
-                    "step": step,
+                    "step": self.state.step,
                     "kind": "train",
                     "epoch": self.batches.epoch,
                     **interval.summary(),
@@ -414,18 +295,18 @@ class Trainer:
                 }
                 self.metrics.write(row)
                 progress.update(interval.steps, row)
-                interval = LogInterval()
+                interval.reset()
 
-            if self.cadence.validation_due(step, result.validate) or stop:
-                improved, early = self.validate(progress)
-                ckpt = self.save(finished=stop or early)
-                if improved:
-                    self.checkpoints.mark_best(ckpt)
-                self.checkpoints.prune()
-                stop = stop or early
-            elif self.cadence.save_due(step):
-                self.save()
-                self.checkpoints.prune()
+            stop = after_update(
+                self.cadence,
+                self.state.step,
+                result.stop,
+                log=log_row,
+                validate=lambda: self.validate(progress),
+                save=lambda finished: self.save(finished=finished),
+                checkpoints=self.checkpoints,
+                validate_now=result.validate,
+            )
         progress.close()
         if valid.test_at_end and self.config.data.test.src:
             self.test(progress)
@@ -435,8 +316,7 @@ class Trainer:
         """Close the TensorBoard writer and train.log (the run's files stay as they are)."""
         self.metrics.close()
         self.setup.close()
-        if self.buckets is not None:
-            self.buckets.close()
+        self.route.close()
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (one tiny collective)."""
@@ -473,14 +353,16 @@ class Trainer:
     def synchronize(self) -> None:
         """Make every rank hold one model, bit for bit: parameters and their smoothed copy; bytes are counted.
 
-        Methods whose replicas drift (local_mix, sbc) average the parameters here if they have not just done
-        so. The smoothed copy drifts with them even when the parameters were averaged inside `after_step`
-        (each rank smoothed its own trajectory before that average), so it is checked on its own: a 32-byte
-        checksum all-reduce, and a dense average only if the ranks' copies differ. By linearity the average
-        of the smoothed copies is the smoothing of the averaged trajectory.
+        Methods whose replicas drift (`replicas_drift`: local_mix, sbc) synchronise here if they have not
+        just done so. The smoothed copy drifts with them even when the parameters were averaged inside
+        `after_step` (each rank smoothed its own trajectory before that average), so it is checked on its own:
+        a 32-byte checksum all-reduce, and a dense average only if the ranks' copies differ. By linearity the
+        average of the smoothed copies is the smoothing of the averaged trajectory.
         """
-        stats = self.exchange.synchronize_params(self.flat.params, self.context())
-        self._exchange_on_optimizer()
+        stats = ExchangeStats()
+        if self.exchange.replicas_drift:
+            stats = self.exchange.synchronize_params(self.flat.params, self.context())
+            self._apply_optimizer_action()
         if self.ema is not None and self.info.world_size > 1:
             identical, check = replicas_identical(self.ema, self.context())
             stats = stats.merge(check)
@@ -492,7 +374,7 @@ class Trainer:
     def validate(self, progress: Progress) -> tuple[bool, bool]:
         """Dev loss, BLEU and chrF on the synchronised (and smoothed) model; returns (improved, stop)."""
         self.synchronize()
-        self._check_trustworthy_weights()
+        self.guard.check_before_keeping()
         counters = {
             "wall_s": round(self.state.wall_s, 3),
             "train_s": round(self.state.train_s, 3),
@@ -505,7 +387,8 @@ class Trainer:
 
     def test(self, progress: Progress) -> None:
         """Translate data.test with the best checkpoint's weights and log a `test` row."""
-        self.barrier()  # rank 0 moves `best` after the final save; no rank may read the link before that
+        if self.info.world_size > 1:
+            dist.barrier()  # rank 0 moves `best` after the final save; no rank may read the link before that
         self.evaluator.test(progress, self.state.step)
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -516,7 +399,7 @@ class Trainer:
         `finished`: the run ends here (a limit or early stopping); rerunning the same command is then a no-op.
         """
         self.synchronize()
-        self._check_trustworthy_weights()
+        self.guard.check_before_keeping()
         rank_state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -524,7 +407,7 @@ class Trainer:
             "data": self.batches.state_dict(),
             "run": self.state.__dict__.copy(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "divergence": self.divergence.state_dict(),
+            "divergence": self.guard.state_dict(),
         }
         meta = {
             "best_bleu": self.state.best_bleu,
@@ -547,5 +430,5 @@ class Trainer:
         self.state = RunState(**state["run"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.divergence.load_state_dict(state.get("divergence", {}))
+        self.guard.load_state_dict(state.get("divergence", {}))
         return meta

@@ -41,7 +41,7 @@ entry = sys.argv[2]
 if entry == "sync":
     from nmt.cli.train import run_worker as run
 else:
-    from nmt.training.async_trainer import run_async_rank as run
+    from nmt.training.dgs.entry import run_async_rank as run
 code = run(load_config(sys.argv[1]))
 threads = sorted({open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")})
 print("threads after the run: " + ",".join(threads), flush=True)

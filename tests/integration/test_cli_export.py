@@ -110,11 +110,11 @@ def test_existing_output_needs_force(trained, tmp_path):
 def test_rnn_model_is_one_line_error(tmp_path, reverse_corpus):
     import torch
 
+    from nmt.checkpoint import CheckpointWriter
     from nmt.config import config_from_dict
     from nmt.data.config import VocabConfig
     from nmt.data.vocab import Vocab, train_sentencepiece
     from nmt.models.build import build_model
-    from nmt.training.checkpoint import CheckpointWriter
 
     vocab = Vocab.load(
         train_sentencepiece([reverse_corpus / "train.src"], tmp_path / "spm.model", VocabConfig(size=40))

@@ -173,7 +173,7 @@ def _overlap_runs(info: WorkerInfo, corpus: Path, tmp: Path, name: str, out: Pat
         tree["exchange"] = {**OVERLAP_EXCHANGES[name], "overlap": overlap, "bucket_mb": 0.05}
         trainer = Trainer(config_from_dict(tree), info, torch.device("cpu"))
         if overlap:
-            assert trainer.buckets is not None and len(trainer.buckets.bounds) > 5
+            assert trainer.route.buckets is not None and len(trainer.route.buckets.bounds) > 5
         batches = iter(trainer.batches)
         for _ in range(3):
             trainer.train_step([next(batches), next(batches)], stop_vote=False)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nmt.checkpoint import step_dir_name
 from nmt.config import config_from_dict
-from nmt.training.checkpoint import step_dir_name
 from nmt.training.distributed import WorkerInfo, destroy_process_group, free_port, init_process_group
 from nmt.training.trainer import Trainer
 

@@ -20,10 +20,10 @@ def checkpoint_source(tmp_path_factory: pytest.TempPathFactory, reverse_corpus: 
     """A real checkpoint written by CheckpointWriter: the reverse task's tiny Transformer, untrained."""
     import torch
 
+    from nmt.checkpoint import CheckpointWriter
     from nmt.config import config_from_dict
     from nmt.data.vocab import Vocab, train_sentencepiece
     from nmt.models.build import build_model
-    from nmt.training.checkpoint import CheckpointWriter
 
     root = tmp_path_factory.mktemp("checkpoint")
     config = config_from_dict(tiny_config_dict(reverse_corpus, root / "model"))

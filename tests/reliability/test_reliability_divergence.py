@@ -16,7 +16,7 @@ import torch
 
 import nmt.cli.train as train_cli
 import nmt.training.trainer as trainer_module
-from nmt.training.checkpoint import first_non_finite
+from nmt.checkpoint import first_non_finite
 
 from reliability_helpers import Env, call_cli, run_module
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
+import nmt.checkpoint.writer as checkpoint_module
 import nmt.cli.train as train_cli
-import nmt.training.checkpoint as checkpoint_module
+from nmt.checkpoint import CheckpointWriter, find_resume_dir, load_inference_bundle
 from nmt.config import config_from_dict
 from nmt.data.config import VocabConfig
 from nmt.data.vocab import load_or_train_vocabs
-from nmt.training.checkpoint import CheckpointWriter, find_resume_dir, load_inference_bundle
 
 from reliability_helpers import ROOT, Env, alive, call_cli, children_of, run_module
 
@@ -78,7 +78,7 @@ def test_killing_the_launcher_ends_its_workers(env: Env):
 
 @linux_only
 def test_a_second_job_on_a_model_dir_in_use_is_refused(env: Env, capsys):
-    from nmt.training.checkpoint import acquire_model_dir_lock
+    from nmt.checkpoint import acquire_model_dir_lock
 
     job = _long_job(env, log=env.tmp / "job.log")
     try:
@@ -104,7 +104,7 @@ def test_a_second_job_on_a_model_dir_in_use_is_refused(env: Env, capsys):
 
 
 def test_a_stale_lock_file_is_taken_over(tmp_path):
-    from nmt.training.checkpoint import acquire_model_dir_lock
+    from nmt.checkpoint import acquire_model_dir_lock
 
     (tmp_path / ".lock").write_text("999999999 gone-host\n")
     lock = acquire_model_dir_lock(tmp_path)
@@ -143,8 +143,8 @@ def test_vocabulary_leftovers_are_removed_where_vocabularies_are_trained(tmp_pat
 
 
 def test_a_failed_checkpoint_write_leaves_nothing_and_keeps_the_previous_one(env: Env, monkeypatch):
+    from nmt.checkpoint import CheckpointError
     from nmt.data.vocab import Vocab
-    from nmt.training.checkpoint import CheckpointError
 
     model_dir = env.checkpoint()
     bundle = load_inference_bundle(model_dir)
@@ -246,11 +246,16 @@ def test_allow_oversubscribe_lets_more_workers_than_cores_pass_the_check(env: En
     )
 
 
-def test_dgs_is_a_valid_method_though_it_is_not_in_the_registry(env: Env, capsys):
-    argv = ["--config", str(env.recipe()), "exchange.method=dgs", "--dump-config"]
+def test_dgs_is_a_valid_asynchronous_method_and_its_requirements_are_checked_on_loading(env: Env, capsys):
+    argv = ["--config", str(env.recipe()), "exchange.method=dgs", "train.optimizer=sgd", "--dump-config"]
     result = call_cli(train_cli.main, argv, capsys)
     assert result.code == 0, result.err
     assert yaml.safe_load(result.out)["exchange"]["method"] == "dgs"
+    adam = call_cli(train_cli.main, argv[:-2] + ["--dump-config"], capsys)  # the tiny recipe's Adam
+    assert adam.code == 2 and len(adam.err_lines) == 1, adam.err
+    assert adam.err_lines[0].startswith(
+        "nmt-train: error: override exchange.method=dgs: exchange.method dgs trains with SAMomentum"
+    )
 
 
 # ------------------------------------------------------------------------------------------ real entry points

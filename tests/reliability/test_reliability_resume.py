@@ -14,7 +14,7 @@ import yaml
 
 import nmt.cli.train as train_cli
 import nmt.cli.translate as translate_cli
-from nmt.training.checkpoint import _write_torch
+from nmt.checkpoint.writer import _write_torch
 
 from reliability_helpers import Env, call_cli
 

@@ -17,7 +17,7 @@ import torch
 
 import nmt.cli.train as train_cli
 import nmt.training.trainer as trainer_module
-from nmt.training.checkpoint import first_non_finite, restore_best_link, step_dir_name
+from nmt.checkpoint import first_non_finite, restore_best_link, step_dir_name
 
 from reliability_helpers import ROOT, Env, call_cli, children_of
 

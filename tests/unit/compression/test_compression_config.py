@@ -15,7 +15,6 @@ import yaml
 from compression.config import (
     METHOD_SECTIONS,
     RENAMED_KEYS,
-    SHARED_OPTION_METHODS,
     DgcOptions,
     DgsOptions,
     ExchangeConfig,
@@ -23,10 +22,16 @@ from compression.config import (
 )
 from compression.dgs import DENSE, ParameterServer, TopDensity, Update
 from compression.hierarchy import resolve_hierarchy
-from compression.registry import available_methods
+from compression.registry import METHODS as METHOD_CLASSES
+from compression.registry import available_methods, check_exchange, reads
 from nmt.config import ConfigError, dump_config, load_config
 
 METHODS = available_methods()
+SHARED_OPTIONS = [
+    f.name for f in dataclasses.fields(ExchangeConfig) if f.name not in ("method", *METHOD_SECTIONS)
+]
+# Who reads each shared option, from the methods' declarations (compression/protocol.py).
+READERS = {key: {m for m, cls in METHOD_CLASSES.items() if key in reads(cls)} for key in SHARED_OPTIONS}
 # A valid value away from the default for every option, by its path under `exchange.`.
 EXAMPLES: dict[str, object] = {
     "drop_ratio": 0.9,
@@ -76,8 +81,11 @@ def exchange_tree(method: str, **options: object) -> dict:
 
 
 def write_recipe(tmp_path: Path, exchange: dict) -> Path:
+    """A recipe of `exchange` and plain SGD (what dgc and dgs require of the optimizer; every method runs
+    with it)."""
     path = tmp_path / "recipe.yml"
-    path.write_text(yaml.safe_dump({"exchange": exchange}, sort_keys=False), encoding="utf-8")
+    tree = {"train": {"optimizer": "sgd"}, "exchange": exchange}
+    path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return path
 
 
@@ -97,10 +105,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_examples_cover_every_option() -> None:
-    shared = [
-        f.name for f in dataclasses.fields(ExchangeConfig) if f.name not in ("method", *METHOD_SECTIONS)
-    ]
-    assert sorted(shared) == sorted(SHARED_OPTION_METHODS)
+    shared = SHARED_OPTIONS
+    assert all(READERS[key] for key in shared)  # every shared option is read by some method
     nested = [
         f"{section}.{f.name}"
         for section in METHOD_SECTIONS
@@ -128,7 +134,9 @@ def test_nested_keys_load_from_a_recipe_and_from_overrides(tmp_path: Path, caplo
 @pytest.mark.parametrize("key", SECTION_OPTIONS)
 def test_each_method_option_lands_under_its_method(key: str) -> None:
     method = key.split(".")[0]
-    exchange = load_config(None, [f"exchange.method={method}", f"exchange.{key}={json.dumps(EXAMPLES[key])}"])
+    option = f"exchange.{key}={json.dumps(EXAMPLES[key])}"
+    overrides = ["train.optimizer=sgd", f"exchange.method={method}", option]
+    exchange = load_config(None, overrides)
     assert get(exchange.exchange, key) == EXAMPLES[key]
 
 
@@ -154,36 +162,40 @@ def test_method_options_apply_to_their_method_only(key: str, method: str) -> Non
     config = ExchangeConfig(method=method)
     setattr(getattr(config, owner), key.split(".")[1], EXAMPLES[key])
     if method == owner:
-        config.validate()
+        check_exchange(config, {"train": {"optimizer": "sgd"}})
         return
     with pytest.raises(ValueError) as err:
-        config.validate()
+        check_exchange(config)
     assert str(err.value) == (
         f"exchange.{key} is set but exchange.method is {method!r}; it only applies to method {owner}: "
         f"remove it or set exchange.method={owner}"
     )
 
 
-@pytest.mark.parametrize("key", sorted(SHARED_OPTION_METHODS))
+@pytest.mark.parametrize("key", sorted(SHARED_OPTIONS))
 @pytest.mark.parametrize("method", METHODS)
 def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: str) -> None:
     config = ExchangeConfig(method=method, **{key: EXAMPLES[key]})
     if key == "overlap" and method in ("dropping", "local_mix", "dgc"):
         config.threshold = "layer"  # the sparse overlap needs layer thresholds (tested below)
-    if method in SHARED_OPTION_METHODS[key]:
-        config.validate()
+    if method == "dgs" and key in ("threshold", "quantize_bits"):  # read only to refuse them
+        with pytest.raises(ValueError, match=r"^exchange.method dgs (selects with one global|sends fp32)"):
+            check_exchange(config)
+        return
+    if method in READERS[key]:
+        check_exchange(config)
         return
     with pytest.raises(
         ValueError, match=rf"^exchange\.{key} is set but exchange\.method is '{method}'; it only"
     ):
-        config.validate()
+        check_exchange(config)
 
 
 def test_shared_options_table() -> None:
-    """Who reads what (documented in compression/config.py): the dropping family everything but the
-    overlap, which dropping, local_mix and dgc read; dgc no embedding rows; dgs no dense vectors, embedding
-    rows or hierarchy; powersgd only the seed; dense and dense_bf16 only the overlap; sbc none."""
-    readers = {key: set(methods) for key, methods in SHARED_OPTION_METHODS.items()}
+    """Who reads what (each method's declaration): the dropping family everything but the overlap, which
+    dropping, local_mix and dgc read; dgc no embedding rows; dgs no dense vectors, embedding rows or
+    hierarchy; powersgd only the seed; dense and dense_bf16 only the overlap; sbc none."""
+    readers = READERS
     assert {m for methods in readers.values() for m in methods} == {
         "dropping",
         "local_mix",
@@ -205,13 +217,13 @@ def test_shared_options_table() -> None:
 @pytest.mark.parametrize("method", ["dropping", "local_mix", "dgc"])
 def test_the_sparse_overlap_needs_layer_thresholds_and_a_flat_exchange(method: str) -> None:
     with pytest.raises(ValueError, match=rf"^exchange.overlap with {method} needs exchange.threshold: layer"):
-        ExchangeConfig(method=method, overlap=True).validate()
+        check_exchange(ExchangeConfig(method=method, overlap=True))
     layer = ExchangeConfig(method=method, overlap=True, threshold="layer")
-    layer.validate()
+    check_exchange(layer)
     with pytest.raises(ValueError, match=r"^exchange.overlap: the hierarchical exchange .* after backward"):
-        ExchangeConfig(method=method, overlap=True, threshold="layer", hierarchy="node").validate()
+        check_exchange(ExchangeConfig(method=method, overlap=True, threshold="layer", hierarchy="node"))
     auto = ExchangeConfig(method=method, overlap=True, threshold="layer", hierarchy="auto")
-    auto.validate()  # flat on one machine; refused only when it resolves to nodes
+    check_exchange(auto)  # flat on one machine; refused only when it resolves to nodes
     assert resolve_hierarchy(auto, world_size=2, ranks_per_machine=2).hierarchy == "flat"
     with pytest.raises(ValueError, match=r"^exchange.overlap: the hierarchical exchange \(exchange.hier"):
         resolve_hierarchy(auto, world_size=4, ranks_per_machine=2)
@@ -224,11 +236,11 @@ def test_the_dgc_overlap_refuses_local_clipping() -> None:
     with pytest.raises(
         ValueError, match=r"^exchange.overlap with dgc needs exchange.dgc.local_clip_norm: 0 "
     ):
-        clipped.validate()
+        check_exchange(clipped)
 
 
 def test_an_option_set_to_its_default_is_no_error() -> None:
-    ExchangeConfig(method="dense", drop_ratio=0.99, sbc=SbcOptions(delay=1)).validate()
+    check_exchange(ExchangeConfig(method="dense", drop_ratio=0.99, sbc=SbcOptions(delay=1)))
 
 
 def test_a_recipe_section_of_another_method_can_be_reset_from_the_command_line(tmp_path: Path) -> None:
@@ -264,7 +276,7 @@ def test_each_old_key_in_an_override_loads_with_one_warning(old: str, caplog) ->
     new = RENAMED_KEYS[old]
     override = f"exchange.{old}={json.dumps(EXAMPLES[new])}"
     with caplog.at_level(logging.WARNING, logger="nmt.config"):
-        config = load_config(None, [f"exchange.method={new.split('.')[0]}", override])
+        config = load_config(None, ["train.optimizer=sgd", f"exchange.method={new.split('.')[0]}", override])
     assert get(config.exchange, new) == EXAMPLES[new]
     assert warnings_of(caplog) == [f"override {override}: exchange.{old} is now exchange.{new}; rename it"]
 
@@ -314,9 +326,7 @@ OLD_DEFAULTS = {  # the exchange section as config.yml files wrote it before the
 
 
 def old_checkpoint_config(tmp_path: Path, method: str, **changes: object) -> Path:
-    shared = {
-        f.name: f.default for f in dataclasses.fields(ExchangeConfig) if f.name in SHARED_OPTION_METHODS
-    }
+    shared = {f.name: f.default for f in dataclasses.fields(ExchangeConfig) if f.name in SHARED_OPTIONS}
     return write_recipe(tmp_path, {"method": method, **shared, **OLD_DEFAULTS, **changes})
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compression import ParamSpan, StepContext, build_exchange
+from compression import ParamSpan, StepContext, build_exchange, check_exchange
 from compression.config import ExchangeConfig, LocalMixOptions
 from compression.hierarchy import NodeHierarchy, resolve_hierarchy, shard_bounds
 
@@ -66,7 +66,7 @@ def test_auto_is_node_only_across_several_nodes_of_several_ranks():
 
 def test_hierarchy_is_an_option_of_the_sparse_family_only():
     with pytest.raises(ValueError, match="exchange.hierarchy is set but exchange.method is 'sbc'"):
-        ExchangeConfig(method="sbc", hierarchy="node").validate()
+        check_exchange(ExchangeConfig(method="sbc", hierarchy="node"))
     with pytest.raises(ValueError, match="exchange.hierarchy must be flat | node | auto"):
         ExchangeConfig(method="dropping", hierarchy="tree").validate()
 

@@ -18,6 +18,7 @@ from compression.dense import DenseAllReduce
 from compression.protocol import ParamSpan, StepContext
 from compression.registry import build_exchange
 from compression.sbc import PRESETS, SparseBinaryCompression, exact_topk, sparse_binarize
+from nmt.training.optimizer import apply_optimizer_action
 
 LAYOUT = [
     ParamSpan("embed", 0, (40, 8), "embedding"),
@@ -198,19 +199,19 @@ def test_reduce_leaves_the_local_gradient_alone() -> None:
 def _momentum_run(
     **options: object,
 ) -> tuple[SparseBinaryCompression, list[torch.nn.Parameter], torch.optim.SGD]:
-    """One local momentum-SGD step, the start, a round (delay 1), each followed by on_optimizer_step as the
-    trainer calls it."""
+    """One local momentum-SGD step, the start, a round (delay 1), each followed by the optimizer action as the
+    trainer applies it."""
     exchange = sbc(delay=1, density=0.1, **options)
     flat = initial_params(0)
     params = [torch.nn.Parameter(flat[s.offset : s.end].clone().view(s.shape)) for s in LAYOUT]
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     _local_sgd_step(params, optimizer, 1)
     exchange.synchronize_params(flat, make_ctx())
-    exchange.on_optimizer_step(optimizer, params, LAYOUT)  # the start sends nothing: nothing to mask
+    assert exchange.optimizer_action() is None  # the start sends nothing: nothing to mask
     assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)
     flat -= LR * local_gradient(0, 1)
     exchange.after_step(flat, make_ctx(1))
-    exchange.on_optimizer_step(optimizer, params, LAYOUT)
+    apply_optimizer_action(optimizer, params, LAYOUT, exchange.optimizer_action())
     return exchange, params, optimizer
 
 
@@ -220,19 +221,19 @@ def _local_sgd_step(params: list[torch.nn.Parameter], optimizer: torch.optim.SGD
     optimizer.step()
 
 
-def test_on_optimizer_step_masks_momentum_where_the_round_sent_once() -> None:
+def test_the_optimizer_action_masks_momentum_where_the_round_sent_once() -> None:
     exchange, params, optimizer = _momentum_run()
     for p, positions in zip(params, exchange.last_sent):
         buffer = optimizer.state[p]["momentum_buffer"].view(-1)
         assert positions.numel() > 0 and bool((buffer[positions] == 0).all())
         assert int((buffer != 0).sum()) == buffer.numel() - positions.numel()
-    # The momentum builds up again; without a new round the hook leaves it alone.
+    # The momentum builds up again; without a new round there is nothing to mask.
     _local_sgd_step(params, optimizer, 2)
-    exchange.on_optimizer_step(optimizer, params, LAYOUT)
+    assert exchange.optimizer_action() is None
     assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)
 
 
-def test_on_optimizer_step_without_momentum_masking_leaves_the_optimizer_alone() -> None:
+def test_without_momentum_masking_there_is_no_optimizer_action() -> None:
     exchange, params, optimizer = _momentum_run(momentum_masking=False)
     assert exchange.rounds == 1
     assert all(bool((optimizer.state[p]["momentum_buffer"] != 0).all()) for p in params)

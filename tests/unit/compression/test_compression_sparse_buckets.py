@@ -62,12 +62,12 @@ def _rounds(rank: int, world: int, method: str, bits: int) -> dict:
         a, b = grad.clone(), grad.clone()
         stats_whole = whole.reduce(a, ctx)
         for start, end in BUCKETS:
-            bucketed.start_bucket(b, start, end, ctx)
+            bucketed.start(b, (start, end), ctx)
         if method == "dgc":  # dgc sends the embedding rows through its sparse path: three buckets hold some
             assert len(bucketed.buckets.pending) == 3
         else:  # the two buckets that hold sparse spans
             assert len(bucketed.state.buckets.pending) == 2
-        stats_bucketed = bucketed.reduce(b, ctx)
+        stats_bucketed = bucketed.finish(b, ctx)
         out["whole"].append(a)
         out["bucketed"].append(b)
         out["bytes"].append((stats_whole.bytes_sent, stats_bucketed.bytes_sent))
@@ -101,8 +101,8 @@ def _dropped(rank: int, world: int) -> dict:
     ex.reduce(_gradient(0, rank), ctx)
     before = (ex.state.residual.clone(), ex.state.step)
     for start, end in BUCKETS:
-        ex.start_bucket(_gradient(1, rank), start, end, ctx)
-    ex.drop_buckets()
+        ex.start(_gradient(1, rank), (start, end), ctx)
+    ex.drop()
     return {"kept": torch.equal(before[0], ex.state.residual) and before[1] == ex.state.step}
 
 
@@ -116,8 +116,8 @@ def _dropped_dgc(rank: int, world: int) -> dict:
     ex.reduce(_gradient(0, rank), ctx)
     before = (ex.momentum.clone(), ex.velocity.clone(), ex.step)
     for start, end in BUCKETS:
-        ex.start_bucket(_gradient(1, rank), start, end, ctx)
-    ex.drop_buckets()
+        ex.start(_gradient(1, rank), (start, end), ctx)
+    ex.drop()
     same_buffers = torch.equal(before[0], ex.momentum) and torch.equal(before[1], ex.velocity)
     return {"kept": same_buffers and before[2] == ex.step}
 

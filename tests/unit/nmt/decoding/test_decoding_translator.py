@@ -99,11 +99,11 @@ class FakeBundle:
 
 @pytest.fixture
 def fake_checkpoints(monkeypatch):
-    """Stands in for nmt.training.checkpoint (the lead's module): path name -> bundle."""
+    """Stands in for nmt.checkpoint (the lead's module): path name -> bundle."""
     bundles: dict[str, FakeBundle] = {}
-    module = types.ModuleType("nmt.training.checkpoint")
+    module = types.ModuleType("nmt.checkpoint")
     module.load_inference_bundle = lambda path: bundles[path]
-    monkeypatch.setitem(sys.modules, "nmt.training.checkpoint", module)
+    monkeypatch.setitem(sys.modules, "nmt.checkpoint", module)
     return bundles
 
 

@@ -15,6 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
+from nmt.checkpoint import CheckpointWriter  # noqa: E402
 from nmt.config import config_from_dict  # noqa: E402
 from nmt.data.config import VocabConfig  # noqa: E402
 from nmt.data.vocab import Vocab, train_sentencepiece  # noqa: E402
@@ -28,7 +29,6 @@ from nmt.export.ctranslate2 import (  # noqa: E402
 )
 from nmt.export.ctranslate2_translate import ExportedTranslator, translate_with_ctranslate2  # noqa: E402
 from nmt.models.build import build_model  # noqa: E402
-from nmt.training.checkpoint import CheckpointWriter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tests/conftest.py
 

@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from nmt.config import config_from_dict
-from nmt.data.config import VocabConfig
-from nmt.data.vocab import Vocab, train_sentencepiece
-from nmt.training.checkpoint import (
+from nmt.checkpoint import (
     CheckpointWriter,
     find_resume_dir,
     load_inference_bundle,
     load_training_state,
     resolve_checkpoint,
 )
+from nmt.config import config_from_dict
+from nmt.data.config import VocabConfig
+from nmt.data.vocab import Vocab, train_sentencepiece
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nmt.checkpoint import CheckpointError
 from nmt.config import config_from_dict
-from nmt.training.checkpoint import CheckpointError
 from nmt.training.config import TrainConfig
 from nmt.training.resume_options import apply_train_options, check_resume_options, refusal_reason
 from nmt.training.setup import lr_factor

@@ -149,17 +149,17 @@ def test_an_empty_log_interval_divides_by_nothing():
 def test_non_finite_steps_are_counted_reset_by_a_good_step_and_stop_the_run(trainer: Trainer):
     trainer.config.train.max_bad_steps = 3
     for skip in (True, True, False, True, True):
-        trainer._count_non_finite(skip)
+        trainer.guard.count_bad_step(skip)
     assert (trainer.state.skipped_steps, trainer.state.bad_steps_in_row) == (4, 2)
     with pytest.raises(TrainingDiverged, match=r"NaN/inf in 3 consecutive steps \(train.max_bad_steps\)"):
-        trainer._count_non_finite(True)
+        trainer.guard.count_bad_step(True)
     assert trainer.state.skipped_steps == 5
 
 
 def test_max_bad_steps_0_never_stops(trainer: Trainer):
     trainer.config.train.max_bad_steps = 0
     for _ in range(50):
-        trainer._count_non_finite(True)
+        trainer.guard.count_bad_step(True)
     assert trainer.state.bad_steps_in_row == 50
 
 

@@ -5,9 +5,10 @@ Point-to-point `torch.distributed` send/recv on the job's own process group (glo
 too). Chosen over `torch.distributed.rpc` because it needs no second rendezvous or transport (TensorPipe)
 beside the process group every other method uses, the group's timeout bounds every wait, and it runs the same
 on both backends. Every message is an 8-word float64 header (tag 1), then, if it carries an update, one fp32
-payload (tag 2) packed by `compression.dgs.Update` (message codes and payload layout live there, next to the
-update they carry). Arrival order needs a receive from any source: gloo has it (`recv(src=None)`); on other
-backends the server posts one receive per worker and polls them.
+payload (tag 2) packed by `compression.dgs.Update` (its payload layout lives there, next to the update
+it carries; the message codes are nmt/training/dgs/wire.py's). Arrival order needs a receive from any
+source: gloo has it (`recv(src=None)`); on other backends the server posts one receive per worker and polls
+them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compression.dgs import HEADER_WORDS, TAG_HEADER, TAG_PAYLOAD, TopDensity, Update
+from compression.dgs import TopDensity, Update
 from nmt.config import Config
+from nmt.training.dgs.wire import HEADER_WORDS, TAG_HEADER, TAG_PAYLOAD
 from nmt.training.errors import PeerFailure
 
 

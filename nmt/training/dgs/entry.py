@@ -5,7 +5,7 @@ Why a trainer of its own: the synchronous Trainer steps all ranks together throu
 worker runs its own loop against a server, so the update, the checkpoint and the stop are different
 protocols. Everything else is the engine both trainers share (setup, evaluator, cadence, smoothing,
 checkpoints, the rank runner: docs/training.md). This module is the entry point; the server, the workers and
-the wire are `dgs_server.py`, `dgs_worker.py` and `dgs_transport.py`, the arithmetic `compression.dgs`.
+the wire are `server.py`, `worker.py`, `transport.py` and `wire.py` here, the arithmetic `compression.dgs`.
 
 Process layout: world size W = N + 1. Rank 0 is the parameter server; ranks 1..N are workers (worker i reads
 the i-1-th share of the batches). `nmt-train --workers N` launches N + 1 local processes; under torchrun a
@@ -17,44 +17,17 @@ from __future__ import annotations
 import torch
 
 from nmt.config import Config, ConfigError
-from nmt.training.dgs_server import ServerLoop
-from nmt.training.dgs_transport import Link
-from nmt.training.dgs_worker import WorkerLoop
+from nmt.training.dgs.server import ServerLoop
+from nmt.training.dgs.transport import Link
+from nmt.training.dgs.worker import WorkerLoop
 from nmt.training.distributed import WorkerInfo, launch_local_workers, under_launcher
-from nmt.training.runner import report_failure, run_rank
+from nmt.training.runner import run_rank
 from nmt.training.setup import build_run
 
 
-def check_config(config: Config) -> None:
-    """Raise ConfigError for settings dgs cannot honour (one line, naming the key and the fix)."""
-    train, ex = config.train, config.exchange
-    if train.optimizer != "sgd":
-        raise ConfigError(
-            f"exchange.method dgs trains with SAMomentum (momentum SGD on the workers), not "
-            f"train.optimizer={train.optimizer}; set train.optimizer: sgd and train.momentum (e.g. 0.9) "
-            "(recipes/bible-es-en-dgs.yml)"
-        )
-    if train.precision == "fp16":
-        raise ConfigError("exchange.method dgs does not support train.precision: fp16; use fp32 or bf16")
-    if train.max_train_s or config.valid.every_train_s:
-        raise ConfigError(
-            "exchange.method dgs does not support train.max_train_s or valid.every_train_s yet; use "
-            "train.max_wall_s and valid.every"
-        )
-    if ex.threshold != "global":
-        raise ConfigError(
-            "exchange.method dgs selects with one global threshold; set exchange.threshold: global"
-        )
-    if ex.quantize_bits:
-        raise ConfigError("exchange.method dgs sends fp32 values; set exchange.quantize_bits: 0")
-
-
 def main_async(config: Config, workers: int, child_argv: list[str]) -> int:
-    """`nmt-train` with exchange.method dgs: launch N workers + 1 server locally, or run this rank's role."""
-    try:
-        check_config(config)
-    except ConfigError as err:
-        return report_failure(str(err))
+    """`nmt-train` with exchange.method dgs: launch N workers + 1 server locally, or run this rank's role.
+    What dgs needs of the recipe is its declaration's `requires` (compression/dgs.py), checked on loading."""
     if not under_launcher():
         return launch_local_workers(workers + 1, child_argv)
     return run_async_rank(config)

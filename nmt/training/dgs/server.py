@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from compression.dgs import CODES, DENSE, KINDS, SAVE, SPARSE, STOP, ParameterServer, Update, warmup_density
+from compression.dgs import DENSE, SPARSE, ParameterServer, Update, warmup_density
+from nmt.checkpoint import find_resume_dir
 from nmt.config import ConfigError, save_config
-from nmt.training.cadence import Cadence
-from nmt.training.checkpoint import find_resume_dir
-from nmt.training.dgs_transport import Link, Push, push_from_dict, push_to_dict, selector_for
+from nmt.training.cadence import Cadence, after_update
+from nmt.training.dgs.transport import Link, Push, push_from_dict, push_to_dict, selector_for
+from nmt.training.dgs.wire import CODES, KINDS, SAVE, STOP
 from nmt.training.errors import PeerFailure, communication_cause
 from nmt.training.evaluator import Evaluator, ValidationRecord
 from nmt.training.metrics import Limits, MetricsLog, Progress, TokenTotals
@@ -132,22 +133,22 @@ class ServerLoop:
             state.pushes[push.worker] += 1
             interval.add_push(push, staleness, self.server.params.numel())
             step = self.server.step
-            stop = self.cadence.limit_reached(step, state.wall_s, 0.0, state.epoch)
-            if self.cadence.log_due(step, stop):
-                row = interval.row(step, state, lr, self.workers, self.server)
+
+            def log_row(interval: _Interval = interval, lr: float = lr, step: int = step) -> None:
+                row = interval.row(step, self.run_state, lr, self.workers, self.server)
                 self.metrics.write(row)
                 progress.update(interval.steps, row)
-                interval = _Interval()
-            if self.cadence.validation_due(step) or stop:
-                improved, early = self.validate(progress)
-                stop = stop or early
-                ckpt = self.checkpoint(push.worker)
-                if improved:
-                    self.checkpoints.mark_best(ckpt)
-                self.checkpoints.prune()
-            elif self.cadence.save_due(step):
-                self.checkpoint(push.worker)
-                self.checkpoints.prune()
+                interval.reset()
+
+            stop = after_update(
+                self.cadence,
+                step,
+                self.cadence.limit_reached(step, state.wall_s, 0.0, state.epoch),
+                log=log_row,
+                validate=lambda: self.validate(progress),
+                save=lambda finished, served=push.worker: self.checkpoint(served, finished),
+                checkpoints=self.checkpoints,
+            )
             if stop:
                 for w in range(self.workers):
                     self.link.send(w + 1, STOP, [0, step])
@@ -237,8 +238,9 @@ class ServerLoop:
                 self.incoming.append(self.receive_from(w))
 
     # -- checkpoints -----------------------------------------------------------------------------------------
-    def checkpoint(self, served: int) -> Path:
-        """Quiesce, then every rank writes its state into one checkpoint directory (atomic)."""
+    def checkpoint(self, served: int, finished: bool = False) -> Path:
+        """Quiesce, then every rank writes its state into one checkpoint directory (atomic); `finished`: the
+        run ends here."""
         self.owed = [served]
         self.quiesce(served)
         step = self.server.step
@@ -259,6 +261,7 @@ class ServerLoop:
             "exchange": "dgs",
             "dgs_mode": self.mode,
             "workers": self.workers,
+            "finished": finished,
         }
         path = self.checkpoints.save(step, state, meta)
         self.owed = []
@@ -325,6 +328,10 @@ class _Interval(TokenTotals):
     pulls: int = 0
     staleness: list[int] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
+
+    def reset(self) -> None:
+        """Start the next interval (after a train row)."""
+        self.__dict__.update(_Interval().__dict__)
 
     def add_push(self, push: Push, staleness: int, n: int) -> None:
         self.add_step(push.loss_sum, push.nll_sum, push.tokens)

@@ -10,22 +10,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from compression.dgs import (
-    CODES,
-    DENSE,
-    KINDS,
-    PARAMS,
-    SAVE,
-    SPARSE,
-    STOP,
-    SAMomentum,
-    Update,
-    warmup_density,
-)
+from compression.dgs import DENSE, PARAMS, SPARSE, SAMomentum, Update, warmup_density
+from nmt.checkpoint import find_resume_dir
 from nmt.config import ConfigError
 from nmt.models.loss import label_smoothed_cross_entropy
-from nmt.training.checkpoint import find_resume_dir
-from nmt.training.dgs_transport import Link, selector_for
+from nmt.training.dgs.transport import Link, selector_for
+from nmt.training.dgs.wire import CODES, KINDS, SAVE, STOP
 from nmt.training.errors import PeerFailure, communication_cause
 from nmt.training.saving import RunCheckpoints
 from nmt.training.setup import RunSetup
