@@ -38,7 +38,7 @@ SBC_PRESETS: dict[str, tuple[int, float]] = {
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
-METHOD_SECTIONS = ("local_mix", "dgc", "sbc", "dgs", "powersgd")
+METHOD_SECTIONS = ("local_mix", "dgc", "sbc", "dgs", "powersgd", "local_sgd", "diloco")
 
 # The flat keys of the exchange section before the options moved under their method (checkpoints written
 # before then hold them in config.yml): old key -> its place now, both relative to `exchange.`.
@@ -186,13 +186,51 @@ class PowerSgdOptions:
 
 
 @dataclass
+class LocalSgdOptions:
+    """`exchange.local_sgd`: the options of local_sgd."""
+
+    # local SGD (Lin et al. 2020) with SlowMo's outer momentum (Wang et al. 2020): docs/local-updates.md
+    sync_every: int = 10  # optimizer steps between parameter averages (H)
+    momentum: float = 0.0  # SlowMo's outer momentum beta; 0 (and outer_lr 1) = plain averaging
+    outer_lr: float = 1.0  # SlowMo's outer learning rate alpha; 1 (and momentum 0) = plain averaging
+
+    def validate(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"exchange.local_sgd.sync_every must be >= 1, got {self.sync_every}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"exchange.local_sgd.momentum must be in [0, 1), got {self.momentum}")
+        if self.outer_lr <= 0:
+            raise ValueError(f"exchange.local_sgd.outer_lr must be > 0, got {self.outer_lr}")
+
+
+@dataclass
+class DilocoOptions:
+    """`exchange.diloco`: the options of diloco."""
+
+    # DiLoCo (Douillard et al. 2023): docs/local-updates.md. H = 500 in the paper's long runs; our runs
+    # take 1,000-3,000 steps, so the default syncs every 100
+    sync_every: int = 100  # inner optimizer steps between syncs (H)
+    outer_lr: float = 0.7  # the outer SGD's learning rate (the paper's)
+    outer_momentum: float = 0.9  # the outer SGD's momentum (the paper's)
+    nesterov: bool = True  # Nesterov momentum for the outer SGD (the paper's)
+
+    def validate(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"exchange.diloco.sync_every must be >= 1, got {self.sync_every}")
+        if self.outer_lr <= 0:
+            raise ValueError(f"exchange.diloco.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"exchange.diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+@dataclass
 class ExchangeConfig:
     """How workers exchange gradients: the method, the options its sparsifying family shares, and one section
     of options per method. Which shared options a method reads is its declaration (`shared_options`); an
     option that `method` does not read (a shared one, or one under another method's key) must keep its
     default: anything else is an error naming the key (compression.registry.check_exchange).
 
-    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd | dgs (see
+    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd | local_sgd | diloco | dgs (see
     `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
@@ -227,6 +265,8 @@ class ExchangeConfig:
     sbc: SbcOptions = field(default_factory=SbcOptions)
     dgs: DgsOptions = field(default_factory=DgsOptions)
     powersgd: PowerSgdOptions = field(default_factory=PowerSgdOptions)
+    local_sgd: LocalSgdOptions = field(default_factory=LocalSgdOptions)
+    diloco: DilocoOptions = field(default_factory=DilocoOptions)
 
     def delay_and_density(self) -> tuple[int, float]:
         """SBC's delay and density: exchange.sbc.preset's when set, else exchange.sbc.delay and .density."""
@@ -261,8 +301,8 @@ class ExchangeConfig:
             raise ValueError(f"exchange.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.node_size < 0:
             raise ValueError(f"exchange.node_size must be >= 0 (0 = ranks per machine), got {self.node_size}")
-        for section in (self.local_mix, self.dgc, self.sbc, self.dgs, self.powersgd):
-            section.validate()
+        for name in METHOD_SECTIONS:
+            getattr(self, name).validate()
 
     def reset(self, key: str) -> None:
         """Put the option at dotted `key` (`exchange.sbc.delay`) back to its default."""

@@ -26,6 +26,7 @@ from compression.dgs import DeepGradientSparsification
 from compression.dropping import GradientDropping
 from compression.hierarchy import NodeHierarchy, overlap_refusal
 from compression.local_mix import LocalMix
+from compression.local_updates import DiLoCo, LocalSGD
 from compression.powersgd import PowerSGD
 from compression.protocol import ExchangeMethod
 from compression.sbc import SparseBinaryCompression
@@ -40,6 +41,8 @@ METHODS: dict[str, type[ExchangeMethod]] = {
         DeepGradientCompression,
         SparseBinaryCompression,
         PowerSGD,
+        LocalSGD,
+        DiLoCo,
         DeepGradientSparsification,
     )
 }

@@ -27,6 +27,13 @@ METHODS = {
     ],
     "dgc": ["exchange.method=dgc", "train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0"],
     "sbc": ["exchange.method=sbc", "exchange.sbc.delay=3", "exchange.sbc.density=0.01"],
+    "local_sgd": ["exchange.method=local_sgd", "exchange.local_sgd.sync_every=4"],
+    "local_sgd-slowmo": [
+        "exchange.method=local_sgd",
+        "exchange.local_sgd.sync_every=4",
+        "exchange.local_sgd.momentum=0.5",
+    ],
+    "diloco": ["exchange.method=diloco", "exchange.diloco.sync_every=4"],
 }
 
 

@@ -52,8 +52,10 @@ def test_every_registered_method_declares_its_name_and_what_it_reads():
         "dense_bf16",
         "dgc",
         "dgs",
+        "diloco",
         "dropping",
         "local_mix",
+        "local_sgd",
         "powersgd",
         "sbc",
     ]
@@ -67,7 +69,7 @@ def test_every_registered_method_declares_its_name_and_what_it_reads():
         "local_mix",
         "dgc",
     }
-    assert {n for n, c in METHODS.items() if c.replicas_drift} == {"local_mix", "sbc"}
+    assert {n for n, c in METHODS.items() if c.replicas_drift} == {"local_mix", "sbc", "local_sgd", "diloco"}
     assert {n for n, c in METHODS.items() if c.asynchronous} == {"dgs"}
     assert "overlap" in reads(METHODS["dense"]) and "overlap" not in reads(METHODS["sbc"])
 
