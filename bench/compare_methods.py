@@ -108,17 +108,22 @@ def find_nmt_train(explicit: str | None) -> str:
 
 def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     """Run nmt-train for one method, teeing its output into <model_dir>/compare.log."""
+    resume = False
     if run.model_dir.exists():
-        if args.skip_existing and (run.model_dir / "metrics.jsonl").exists():
-            print(f"[{run.name}] {run.model_dir} exists: skipped (--skip-existing)", file=sys.stderr)
+        if args.skip_existing and _finished(run.model_dir):
+            print(f"[{run.name}] {run.model_dir} finished: skipped (--skip-existing)", file=sys.stderr)
             return
-        if not args.fresh:
+        if args.skip_existing:  # killed before its end: nmt-train resumes it from its last checkpoint
+            print(f"[{run.name}] {run.model_dir} unfinished: resumed", file=sys.stderr)
+            resume = True
+        elif not args.fresh:
             sys.exit(
                 f"compare_methods: {run.model_dir} already exists; pass --fresh to retrain from scratch "
-                "or --skip-existing to report the finished run"
+                "or --skip-existing to report the finished run (and resume an unfinished one)"
             )
-        shutil.rmtree(run.model_dir)
-    run.model_dir.mkdir(parents=True)
+        else:
+            shutil.rmtree(run.model_dir)
+    run.model_dir.mkdir(parents=True, exist_ok=resume)
     cmd = [nmt_train, "--config", args.config, "--workers", str(args.workers), f"model_dir={run.model_dir}"]
     cmd += args.common + run.overrides
     (run.model_dir / RUN_FILE).write_text(
@@ -128,7 +133,7 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     )
     print(f"[{run.name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    with (run.model_dir / LOG_FILE).open("w", encoding="utf-8") as log:
+    with (run.model_dir / LOG_FILE).open("a" if resume else "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -141,6 +146,18 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     meta.update(returncode=run.returncode, elapsed_s=round(elapsed, 1))
     (run.model_dir / RUN_FILE).write_text(json.dumps(meta, indent=1))
     print(f"[{run.name}] exit {run.returncode} after {elapsed:.0f} s", file=sys.stderr, flush=True)
+
+
+def _finished(model_dir: Path) -> bool:
+    """The run ended: its metrics have a test row, or its last checkpoint says it finished."""
+    metrics = model_dir / "metrics.jsonl"
+    if metrics.exists() and '"kind": "test"' in metrics.read_text(encoding="utf-8", errors="replace"):
+        return True
+    meta = model_dir / "last" / "meta.json"
+    try:
+        return bool(json.loads(meta.read_text(encoding="utf-8")).get("finished"))
+    except (OSError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------------- reading

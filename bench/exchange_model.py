@@ -21,6 +21,9 @@ Per step, for a model of n fp32 parameters (B = 4n bytes), on the inter-node lin
         e = 8: 100 nodes at 1%, 1,000 at 0.1%.
     PowerSGD rank r: a dense all-reduce of its factors (P: m x r, Q: k x r per matrix) and of the 1-D
         parameters, in two rounds of all-reduces.
+    DiLoCo (H steps between syncs): one dense all-reduce every H steps, priced per step as 1/H of it;
+        Streaming DiLoCo (F fragments, tau steps of overlap): F fragment all-reduces per H steps, each only as
+        long as it outlasts tau steps of compute (an assumed step time).
 Time = inter bytes / (efficiency * inter_bps) + rounds * latency + intra-node time + compute: per parameter,
 by method family (selection passes over the gradient, a cast, a factorisation), plus for the sparse methods a
 cost per entry packed or decoded (P messages of density * n entries each in a flat all-gather; N messages of
@@ -303,7 +306,16 @@ def calibration_report(points: list[Measured]) -> tuple[Calibration, list[dict]]
 
 # ------------------------------------------------------------------------------------------ projections
 
-METHODS = ("dense ring", "flat sparse", "hierarchical sparse", "PowerSGD r4")
+METHODS = (
+    "dense ring",
+    "flat sparse",
+    "hierarchical sparse",
+    "PowerSGD r4",
+    "DiLoCo H100",
+    "Streaming DiLoCo H100 F4 tau5",
+)
+LOCAL_H, LOCAL_F, LOCAL_TAU = 100, 4, 5  # the local-update rows: a sync every H steps, F fragments, tau
+DENSITY_FREE = {"PowerSGD r4", "DiLoCo H100", "Streaming DiLoCo H100 F4 tau5"}  # listed once, not per density
 
 
 @dataclass(frozen=True)
@@ -316,6 +328,7 @@ class ClusterAssumptions:
     efficiency: float = 0.9  # RDMA transports get close to the line rate
     select_s_per_param: float = 1e-11  # threshold + compaction, ~3 passes over fp32 at ~1.5 TB/s
     decode_s_per_entry: float = 5e-11  # packing + scatter-add of (index, value) pairs, ~20 G entries/s
+    step_compute_s: float = 0.3  # forward + backward of one step on one GPU (hides a streamed fragment)
 
 
 def project(
@@ -341,6 +354,22 @@ def project(
         "flat sparse": replace(flat, seconds=flat.seconds + flat_compute),
         "hierarchical sparse": replace(hier, seconds=hier.seconds + hier_compute),
         "PowerSGD r4": dense_allreduce(model.powersgd_payload(4), fab, collectives=2),
+        **local_updates(n, fab, how),
+    }
+
+
+def local_updates(n: int, fab: Fabric, how: ClusterAssumptions) -> dict[str, Cost]:
+    """Per step, averaged over a period: DiLoCo all-reduces the n fp32 pseudo-gradient once every H steps;
+    Streaming DiLoCo all-reduces one of F fragments F times per H steps, each hidden behind tau steps of
+    compute (only what is longer than tau * step_compute_s waits), so the same bytes, a 1/F peak."""
+    sync = dense_allreduce(4.0 * n, fab)
+    fragment = dense_allreduce(4.0 * n / LOCAL_F, fab)
+    exposed = max(0.0, fragment.seconds - LOCAL_TAU * how.step_compute_s)
+    return {
+        "DiLoCo H100": Cost(sync.seconds / LOCAL_H, sync.inter_bytes / LOCAL_H, sync.rounds),
+        "Streaming DiLoCo H100 F4 tau5": Cost(
+            LOCAL_F * exposed / LOCAL_H, LOCAL_F * fragment.inter_bytes / LOCAL_H, fragment.rounds
+        ),
     }
 
 
@@ -357,7 +386,7 @@ def projection_rows(models: list[ModelShapes], how: ClusterAssumptions) -> list[
                 for nodes in NODES:
                     costs = project(model, nodes, link, density, how)
                     for method, cost in costs.items():
-                        if method == "PowerSGD r4" and density != DENSITIES[0]:
+                        if method in DENSITY_FREE and density != DENSITIES[0]:
                             continue  # does not depend on the density: listed once
                         rows.append(
                             {
@@ -385,7 +414,7 @@ def crossings(rows: list[dict]) -> list[dict]:
             r["nodes"]: r["seconds"] for r in block if r["method"] == "dense ring" and r["density"] == density
         }
         for method in METHODS[1:]:
-            wanted = DENSITIES[0] if method == "PowerSGD r4" else density
+            wanted = DENSITIES[0] if method in DENSITY_FREE else density
             own = {
                 r["nodes"]: r["seconds"] for r in block if r["method"] == method and r["density"] == wanted
             }
@@ -429,8 +458,8 @@ def _markdown(cal: Calibration, cal_rows: list[dict], rows: list[dict], cross: l
         "",
         "## Where each method stops beating dense (first node count, 8 GPUs per node; '-' = not up to 64)",
         "",
-        "| model | link | density | flat sparse | hierarchical sparse | PowerSGD r4 |",
-        "|---|---|---|---|---|---|",
+        "| model | link | density | " + " | ".join(METHODS[1:]) + " |",
+        "|---|---|---|" + "---|" * len(METHODS[1:]),
     ]
     for key in sorted({(c["model"], c["link_gbit"], c["density"]) for c in cross}, key=str):
         found = {
@@ -458,11 +487,11 @@ def _markdown(cal: Calibration, cal_rows: list[dict], rows: list[dict], cross: l
                         == (model, link, method, density)
                     ]
                     if cells:
-                        label = "-" if method in ("dense ring", "PowerSGD r4") else f"{density:.1%}"
+                        label = "-" if method in ("dense ring", *DENSITY_FREE) else f"{density:.1%}"
                         lines.append(
                             f"| {method} | {label} | " + " | ".join(f"{s * 1e3:.1f}" for s in cells) + " |"
                         )
-                    if method in ("dense ring", "PowerSGD r4"):
+                    if method in ("dense ring", *DENSITY_FREE):
                         break
             lines.append("")
     return "\n".join(lines)
@@ -488,7 +517,7 @@ def _plot(rows: list[dict], out: Path) -> Path | None:
                 ]
                 if not pts:
                     continue
-                label = method if method in ("dense ring", "PowerSGD r4") else f"{method} {density:.1%}"
+                label = method if method in ("dense ring", *DENSITY_FREE) else f"{method} {density:.1%}"
                 ax.plot(*zip(*pts), marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="GPUs (8 per node)", ylabel="exchange ms per step")
         ax.set_title(f"Transformer-{model}, 25 Gbit/s between nodes")

@@ -181,6 +181,38 @@ netbed-hierarchy|all)
     --run flat exchange.hierarchy=flat --run node exchange.hierarchy=node --run flat-again exchange.hierarchy=flat \
     --json docs/netbed-hierarchy.jsonl --out docs/netbed-hierarchy.md
   ;;&
+local-updates|all)
+  # Issue 26: the local-update family at equal steps (so equal tokens) over loopback, 2 workers, the make-train
+  # recipe (momentum SGD) and its Adam twin, one shared vocabulary; dev BLEU (300 verses, greedy) every 500
+  # steps, beam-5 test BLEU on all test verses at the end. Resumable: a rerun skips finished runs.
+  LU=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
+      --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model)
+  LU_RUNS=(
+    --run dense exchange.method=dense
+    --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50
+    --run diloco-10 exchange.method=diloco exchange.diloco.sync_every=10
+    --run diloco-100 exchange.method=diloco exchange.diloco.sync_every=100
+    --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
+    --run streaming-50-f4-t5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
+      exchange.diloco.overlap_steps=5
+    --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01
+      exchange.quantize_bits=2
+    --run sparse-50-d0.001-2bit exchange.method=diloco exchange.diloco.sync_every=50
+      exchange.diloco.density=0.001 exchange.quantize_bits=2
+  )
+  # DiLoCo's inner optimizer is Adam (the paper's), so the Adam recipe goes first; then the make-train recipe's
+  # momentum SGD. LU_FIRST=sgd swaps them.
+  ADAM=(--config recipes/bible-es-en-adam.yml --runs-dir models/local-updates-adam
+        --out docs/results-local-updates-adam.md --plots docs/plots/local-updates-adam)
+  SGD=(--config recipes/bible-es-en.yml --runs-dir models/local-updates-sgd
+       --out docs/results-local-updates-sgd.md --plots docs/plots/local-updates-sgd)
+  if [ "${LU_FIRST:-adam}" = sgd ]; then LU_ORDER=(SGD ADAM); else LU_ORDER=(ADAM SGD); fi
+  for recipe in "${LU_ORDER[@]}"; do
+    declare -n RECIPE_ARGS=$recipe
+    $PY bench/compare_methods.py --workers 2 --skip-existing "${RECIPE_ARGS[@]}" "${LU[@]}" "${LU_RUNS[@]}"
+    unset -n RECIPE_ARGS
+  done
+  ;;&
 exchange-model|all)
   $PY bench/exchange_model.py --out docs/plots/exchange-model
   ;;&

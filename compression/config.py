@@ -213,6 +213,14 @@ class DilocoOptions:
     outer_lr: float = 0.7  # the outer SGD's learning rate (the paper's)
     outer_momentum: float = 0.9  # the outer SGD's momentum (the paper's)
     nesterov: bool = True  # Nesterov momentum for the outer SGD (the paper's)
+    # Streaming DiLoCo (Douillard et al. 2025): fragments synced on a staggered schedule (peak bytes / F)
+    fragments: int = 1  # F
+    overlap_steps: int = 0  # tau: a fragment's sync finishes this many inner steps after it starts
+    mixing: float = 0.5  # with overlap: local <- mixing * local + (1 - mixing) * theta (the paper's alpha)
+    outer_bits: int = 32  # pseudo-gradient values: 32 (fp32) | 16 (bf16) | 8 | 4 (with per-chunk scales)
+    # SparseLoCo (Sarfi et al. 2025): density < 1 sends the top of an error-feedback accumulator
+    density: float = 1.0  # fraction of the pseudo-gradient's entries sent per sync; 1 = all (dense)
+    accumulator_decay: float = 0.95  # beta of the accumulator e <- beta e + delta (density < 1)
 
     def validate(self) -> None:
         if self.sync_every < 1:
@@ -221,6 +229,20 @@ class DilocoOptions:
             raise ValueError(f"exchange.diloco.outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"exchange.diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.fragments < 1:
+            raise ValueError(f"exchange.diloco.fragments must be >= 1, got {self.fragments}")
+        if self.overlap_steps < 0:
+            raise ValueError(f"exchange.diloco.overlap_steps must be >= 0, got {self.overlap_steps}")
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(f"exchange.diloco.mixing must be in [0, 1], got {self.mixing}")
+        if self.outer_bits not in (32, 16, 8, 4):
+            raise ValueError(f"exchange.diloco.outer_bits must be 32, 16, 8 or 4, got {self.outer_bits}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"exchange.diloco.density must be in (0, 1], got {self.density}")
+        if not 0.0 <= self.accumulator_decay <= 1.0:
+            raise ValueError(
+                f"exchange.diloco.accumulator_decay must be in [0, 1], got {self.accumulator_decay}"
+            )
 
 
 @dataclass

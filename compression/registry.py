@@ -23,10 +23,11 @@ from compression.dense import DenseAllReduce
 from compression.dense_bf16 import DenseBf16AllReduce
 from compression.dgc import DeepGradientCompression
 from compression.dgs import DeepGradientSparsification
+from compression.diloco import DiLoCo
 from compression.dropping import GradientDropping
 from compression.hierarchy import NodeHierarchy, overlap_refusal
 from compression.local_mix import LocalMix
-from compression.local_updates import DiLoCo, LocalSGD
+from compression.local_sgd import LocalSGD
 from compression.powersgd import PowerSGD
 from compression.protocol import ExchangeMethod
 from compression.sbc import SparseBinaryCompression

@@ -27,6 +27,8 @@ class LogInterval(TokenTotals):
     """Totals over the steps since the last train row of the metrics log."""
 
     bytes: int = 0
+    syncs: int = 0  # syncs of the local-update methods (their stats carry `syncs` and `bytes_sync`)
+    sync_bytes: float = 0.0
     exchange_s: float = 0.0
     seconds: float = 0.0  # in training steps only (validation and checkpoints excluded)
 
@@ -35,6 +37,8 @@ class LogInterval(TokenTotals):
         loss, nll = (nan, nan) if result.skipped else (result.loss_sum, result.nll_sum)
         self.add_step(loss, nll, result.tokens)
         self.bytes += result.stats.bytes_sent
+        self.syncs += int(result.stats.extra.get("syncs", 0))
+        self.sync_bytes += result.stats.extra.get("bytes_sync", 0.0)
         self.exchange_s += result.exchange_s
         self.seconds += seconds
 
@@ -44,11 +48,14 @@ class LogInterval(TokenTotals):
 
     def summary(self) -> dict[str, float]:
         steps = max(self.steps, 1)
-        return {
+        row = {
             **self.loss_fields(self.seconds),
             "bytes_per_step": self.bytes / steps,
             "exchange_s": self.exchange_s / steps,
         }
+        if self.syncs:  # methods that sync every H steps: how many syncs, and the bytes of one
+            row.update(syncs=self.syncs, bytes_per_sync=self.sync_bytes / self.syncs)
+        return row
 
 
 @dataclass

@@ -74,6 +74,12 @@ EXAMPLES: dict[str, object] = {
     "diloco.outer_lr": 0.5,
     "diloco.outer_momentum": 0.5,
     "diloco.nesterov": False,
+    "diloco.fragments": 2,
+    "diloco.overlap_steps": 1,
+    "diloco.mixing": 0.25,
+    "diloco.outer_bits": 8,
+    "diloco.density": 0.05,
+    "diloco.accumulator_decay": 0.5,
 }
 # Sections of the methods that came after the flat keys were renamed: they never had a flat name.
 NEW_SECTIONS = ("local_sgd", "diloco")
@@ -192,6 +198,10 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
         with pytest.raises(ValueError, match=r"^exchange.method dgs (selects with one global|sends fp32)"):
             check_exchange(config)
         return
+    if method == "diloco" and key == "quantize_bits":  # quantizes the sparse pseudo-gradient only
+        with pytest.raises(ValueError, match=r"^exchange.quantize_bits quantizes the sparse pseudo-gradient"):
+            check_exchange(config)
+        return
     if method in READERS[key]:
         check_exchange(config)
         return
@@ -204,7 +214,9 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
 def test_shared_options_table() -> None:
     """Who reads what (each method's declaration): the dropping family everything but the overlap, which
     dropping, local_mix and dgc read; dgc no embedding rows; dgs no dense vectors, embedding rows or
-    hierarchy; powersgd only the seed; dense and dense_bf16 only the overlap; sbc none."""
+    hierarchy; powersgd only the seed; diloco the sparse round's options (for its compressed
+    pseudo-gradients), not the drop ratio or its warm-up; dense and dense_bf16 only the overlap; sbc and
+    local_sgd none."""
     readers = READERS
     assert {m for methods in readers.values() for m in methods} == {
         "dropping",
@@ -214,13 +226,25 @@ def test_shared_options_table() -> None:
         "powersgd",
         "dense",
         "dense_bf16",
+        "diloco",
+    }
+    diloco = {key for key, methods in readers.items() if "diloco" in methods}
+    assert diloco == {
+        "threshold",
+        "threshold_estimator",
+        "sample_size",
+        "capacity_factor",
+        "quantize_bits",
+        "dense_fallback",
+        "dense_vectors",
+        "sample_seed",
     }
     overlap = {"overlap", "bucket_mb"}
     assert all(readers[key] == {"dense", "dense_bf16", "dropping", "local_mix", "dgc"} for key in overlap)
     assert all({"dropping", "local_mix"} <= methods for key, methods in readers.items() if key not in overlap)
     assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
-    assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc"}
+    assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc", "diloco"}
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
 
 

@@ -9,7 +9,8 @@ import torch
 
 from compression import ParamSpan, StepContext, check_exchange
 from compression.config import DilocoOptions, ExchangeConfig, LocalSgdOptions
-from compression.local_updates import DiLoCo, LocalSGD
+from compression.diloco import DiLoCo
+from compression.local_sgd import LocalSGD
 
 from gloo_harness import run_ranks
 
@@ -175,3 +176,148 @@ def test_local_updates_exchange_no_gradient_and_refuse_the_overlap():
     assert method.reduce(grad, ctx(0, 1, 0)).bytes_sent == 0 and torch.equal(grad, before)
     with pytest.raises(ValueError, match=r"^exchange.overlap is set but exchange.method is 'diloco'"):
         check_exchange(ExchangeConfig(method="diloco", overlap=True))
+
+
+# ------------------------------------------------------------------------------------- streaming, compressed
+
+
+def _fragments_reference(rank: int, world: int) -> dict:
+    """F = 2, tau = 0, H = 4: fragment 0 (w, 30 values) syncs at steps 4, 8, ..., fragment 1 (b) at 2, 6, ...
+    (H - f H / F into the schedule), each with its own Nesterov momentum; written out here for both ranks."""
+    h, steps = 4, 10
+    ours = run(diloco(h, fragments=2), rank, world, steps)
+    cut = 30  # shard_bounds(LAYOUT, 2): the parameter end nearest to half of 35
+    bounds = [(0, cut), (cut, N)]
+    theta, v = start(), [torch.zeros(cut), torch.zeros(N - cut)]
+    local = [start(), start()]
+    since = [0, 2]
+    for step in range(steps):
+        for r in range(2):
+            local[r] -= LR * gradient(step, r)
+        for f, (a, b) in enumerate(bounds):
+            since[f] += 1
+            if since[f] >= h:
+                since[f] = 0
+                delta = ((theta[a:b] - local[0][a:b]) + (theta[a:b] - local[1][a:b])) / 2
+                v[f] = 0.9 * v[f] + delta
+                theta[a:b] = theta[a:b] - 0.7 * (delta + 0.9 * v[f])
+                for r in range(2):
+                    local[r][a:b] = theta[a:b]
+    return {"ours": ours, "paper": local[rank]}
+
+
+def test_fragments_sync_on_a_staggered_schedule_each_with_its_own_momentum():
+    for got in run_ranks(_fragments_reference, 2):
+        assert (got["ours"] - got["paper"]).abs().max() < 1e-5
+
+
+def _overlapped_reference(rank: int, world: int) -> dict:
+    """F = 1, tau = 2, H = 4, mixing 0.5: the sync started at step 4 lands at step 6, where the local model
+    (which took steps 5 and 6 meanwhile) is mixed half and half with the new theta."""
+    ours = run(diloco(4, overlap_steps=2), rank, world, 7)
+    local = [start(), start()]
+    theta, v = start(), torch.zeros(N)
+    for step in range(7):
+        for r in range(2):
+            local[r] -= LR * gradient(step, r)
+        if step + 1 == 4:
+            delta = ((theta - local[0]) + (theta - local[1])) / 2
+        if step + 1 == 6:
+            v = 0.9 * v + delta
+            theta = theta - 0.7 * (delta + 0.9 * v)
+            for r in range(2):
+                local[r] = 0.5 * local[r] + 0.5 * theta
+    return {"ours": ours, "paper": local[rank]}
+
+
+def test_an_overlapped_sync_lands_tau_steps_later_and_is_mixed():
+    for got in run_ranks(_overlapped_reference, 2):
+        assert (got["ours"] - got["paper"]).abs().max() < 1e-5
+
+
+def _sparse_at_density_one(rank: int, world: int) -> dict:
+    from compression.pseudo_gradients import SparseWire
+
+    plain = run(diloco(3), rank, world, 7)
+    method = diloco(3)
+    params = start()
+    method.synchronize_params(params, ctx(0, world, rank))
+    method._begun = True
+    method.wire = SparseWire(method.config, LAYOUT)  # the compressed wire at density 1: it falls back dense
+    return {"plain": plain, "sparse": run(method, rank, world, 7, params)}
+
+
+def test_the_compressed_wire_at_density_1_is_plain_diloco_bit_for_bit():
+    for got in run_ranks(_sparse_at_density_one, 2):
+        assert torch.equal(got["plain"], got["sparse"])
+
+
+def _accumulator(rank: int, world: int) -> dict:
+    method = diloco(3, density=0.2, accumulator_decay=0.5)
+    method.config.threshold = "layer"
+    method.config.threshold_estimator = "exact"
+    method.config.capacity_factor = 2.0
+    params = run(method, rank, world, 2)  # the start and 2 inner steps: no sync yet
+    before = method.wire.accumulator.clone()
+    delta = method.outer.theta_of(0) - (params - LR * gradient(0, rank))  # the 3rd step, as run() takes it
+    run(method, rank, world, 1, params)  # ... and the sync at step 3
+    return {"before": before, "after": method.wire.accumulator.clone(), "delta": delta, "syncs": method.syncs}
+
+
+def test_the_accumulator_keeps_exactly_what_was_not_sent():
+    """e <- 0.5 e + delta on the matrix (the bias travels dense); what was sent is zero, the rest is e."""
+    for got in run_ranks(_accumulator, 2):
+        assert got["syncs"] == 1 and not got["before"].any()
+        expected = got["before"] * 0.5 + got["delta"][:30]
+        after = got["after"]
+        sent = after == 0
+        assert int(sent.sum()) == 6  # 20% of the 30 matrix entries, with an exact per-span threshold
+        assert torch.equal(after[~sent], expected[~sent])
+        assert bool(expected[sent].abs().min() >= expected[~sent].abs().max())  # the largest were sent
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_low_bit_codes_decode_within_their_rounding(bits):
+    from compression.pseudo_gradients import CHUNK, decode_low_bit, encode_low_bit
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(bits))
+    codes, scales = encode_low_bit(values, bits)
+    decoded = decode_low_bit(codes, scales, bits, values.numel())
+    if bits == 16:
+        assert codes.numel() == 2000 and torch.equal(decoded, values.to(torch.bfloat16).float())
+        return
+    assert codes.numel() == (1000 if bits == 8 else 500) and scales.numel() == -(-1000 // CHUNK)
+    step = scales.repeat_interleave(CHUNK)[:1000]
+    assert bool(((decoded - values).abs() <= step / 2 + 1e-7).all())
+
+
+def _variant_resumed(rank: int, world: int, options: dict) -> dict:
+    make = lambda: diloco(4, **options)  # noqa: E731
+    straight = run(make(), rank, world, 11)
+    first = make()
+    params = run(first, rank, world, 6)
+    first.synchronize_params(params, ctx(6, world, rank))  # what the trainer does before a checkpoint
+    state = first.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    again._begun = True
+    whole_first = make()
+    reference = run(whole_first, rank, world, 6)
+    whole_first.synchronize_params(reference, ctx(6, world, rank))
+    for step in range(6, 11):
+        params -= LR * gradient(step, rank)
+        again.after_step(params, ctx(step + 1, world, rank))
+        reference -= LR * gradient(step, rank)
+        whole_first.after_step(reference, ctx(step + 1, world, rank))
+    return {"resumed": params, "reference": reference, "straight": straight}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"fragments": 2, "overlap_steps": 1, "outer_bits": 8}, {"density": 0.2, "outer_momentum": 0.0}],
+    ids=["streaming", "compressed"],
+)
+def test_each_variant_resumes_exactly_after_a_checkpoint_mid_period(options):
+    for got in run_ranks(_variant_resumed, 2, options):
+        assert torch.equal(got["resumed"], got["reference"])
+        assert not torch.equal(got["resumed"], got["straight"])  # the checkpoint's sync did change the path
