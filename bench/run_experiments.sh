@@ -195,10 +195,14 @@ local-updates|all)
     --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
     --run streaming-50-f4-t5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
       exchange.diloco.overlap_steps=5
+    # SparseLoCo's setting: chunk-wise top-k (one chunk per tensor), 2-bit values, the accumulator in place of
+    # the outer momentum (outer_momentum 0, outer_lr 1: theta <- theta - mean); positions Golomb-coded
     --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01
-      exchange.quantize_bits=2
+      exchange.quantize_bits=2 exchange.threshold=layer exchange.diloco.outer_momentum=0 exchange.diloco.outer_lr=1
+      exchange.position_code=golomb
     --run sparse-50-d0.001-2bit exchange.method=diloco exchange.diloco.sync_every=50
-      exchange.diloco.density=0.001 exchange.quantize_bits=2
+      exchange.diloco.density=0.001 exchange.quantize_bits=2 exchange.threshold=layer
+      exchange.diloco.outer_momentum=0 exchange.diloco.outer_lr=1 exchange.position_code=golomb
   )
   # DiLoCo's inner optimizer is Adam (the paper's), so the Adam recipe goes first; then the make-train recipe's
   # momentum SGD. LU_FIRST=sgd swaps them.

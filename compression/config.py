@@ -270,6 +270,9 @@ class ExchangeConfig:
     # untied input embeddings travel as (row id, row) for touched rows (dropping, local_mix)
     embedding_rows: bool = True
     quantize_bits: int = 0  # 0 (off) | 1 | 2: sign + bucketed magnitude codes for the kept values
+    # int32 | golomb: positions of the sent values as int32 indices, or Rice-coded gaps (SBC's position code,
+    # ~8 bits per position at 1% density); dropping, local_mix, dgc and diloco's compressed pseudo-gradients
+    position_code: str = "int32"
     dense_fallback: bool = True  # all-reduce instead when a sparse message would not be smaller (warm-up)
     # seed of the threshold sampler's random offsets (rank is mixed in); powersgd: the seed of its first Q's
     sample_seed: int = 0
@@ -315,6 +318,10 @@ class ExchangeConfig:
             raise ValueError(f"exchange.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.quantize_bits not in (0, 1, 2):
             raise ValueError(f"exchange.quantize_bits must be 0, 1 or 2, got {self.quantize_bits}")
+        if self.position_code not in ("int32", "golomb"):
+            raise ValueError(
+                f"exchange.position_code must be 'int32' or 'golomb', got {self.position_code!r}"
+            )
         if self.sample_seed < 0:
             raise ValueError(f"exchange.sample_seed must be >= 0, got {self.sample_seed}")
         if self.hierarchy not in ("flat", "node", "auto"):

@@ -67,7 +67,7 @@ class DiLoCo(ExchangeMethod):
     """DiLoCo with Streaming DiLoCo's fragments, overlap and low-bit outer gradients, and SparseLoCo's
     compressed pseudo-gradients (the module docstring). Options: exchange.diloco.*, and for density < 1 the
     sparse round's exchange.threshold, threshold_estimator, sample_size, capacity_factor, quantize_bits,
-    dense_fallback, dense_vectors, sample_seed."""
+    position_code, dense_fallback, dense_vectors, sample_seed."""
 
     name = "diloco"
     section = "diloco"
@@ -77,6 +77,7 @@ class DiLoCo(ExchangeMethod):
         "sample_size",
         "capacity_factor",
         "quantize_bits",
+        "position_code",
         "dense_fallback",
         "dense_vectors",
         "sample_seed",
@@ -101,6 +102,11 @@ class DiLoCo(ExchangeMethod):
             problems.append(
                 "exchange.quantize_bits quantizes the sparse pseudo-gradient of exchange.diloco.density < 1; "
                 "for dense low-bit values set exchange.diloco.outer_bits (16, 8 or 4) instead"
+            )
+        if options.density == 1.0 and config.position_code != "int32":
+            problems.append(
+                "exchange.position_code codes the positions of exchange.diloco.density < 1; a dense "
+                "pseudo-gradient has none: leave it at int32 or set exchange.diloco.density below 1"
             )
         return problems
 

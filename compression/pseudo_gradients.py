@@ -15,12 +15,13 @@ returns a `PendingMean`, `finish` waits and gives the mean (a full-size buffer, 
 - sparse (density < 1; SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706): per rank an accumulator
   e_r <- beta e_r + delta_r (`exchange.diloco.accumulator_decay` = beta); one sparse round of the dropping
   family (compression/sparsify.py: threshold per span or global, sampled or exact, fixed capacity, values
-  optionally quantized to 1 or 2 bits with `exchange.quantize_bits`, int32 positions) sends its largest
-  entries and leaves in e_r exactly what was not sent (quantization error included); the mean of what
-  arrives is the outer gradient. With `exchange.threshold: layer` the chunks of SparseLoCo's chunk-wise
-  top-k are the parameter tensors. The 1-D parameters travel dense when `exchange.dense_vectors` (default).
-  At density 1 the round falls back to an all-reduce of e_r = delta_r (`exchange.dense_fallback`), which is
-  the fp32 wire bit for bit (with 2 ranks: x / 2 and x * 0.5 are the same float).
+  optionally quantized to 1 or 2 bits with `exchange.quantize_bits`, positions as int32 or Golomb-coded with
+  `exchange.position_code`) sends its largest entries and leaves in e_r exactly what was not sent
+  (quantization error included); the mean of what arrives is the outer gradient. With
+  `exchange.threshold: layer` the chunks of SparseLoCo's chunk-wise top-k are the parameter tensors. The
+  1-D parameters travel dense when `exchange.dense_vectors` (default). At density 1 the round falls back
+  to an all-reduce of e_r = delta_r (`exchange.dense_fallback`), which is the fp32 wire bit for bit (with 2
+  ranks: x / 2 and x * 0.5 are the same float).
 """
 
 from __future__ import annotations

@@ -9,21 +9,28 @@ The collective is all_gather_into_tensor (named all_gather_single from torch 2.1
 Wire formats (int32 words; fp32 values and packed code bytes are bit-cast, never converted):
     sparse, plain      [count | index * capacity | value * capacity]
     sparse, quantized  [count | scale * (groups * levels) | index * capacity | code bytes, padded to words]
+    golomb positions   the index block becomes [stream bytes] in the header and a Rice-coded stream of the
+                       ascending positions (compression/golomb.py; `exchange.position_code: golomb`), room
+                       for the longest stream `capacity` positions can take; values or codes follow as above
     rows (two phases)  counts [S] (one all-gather of row counts per embedding span), then per span s:
                        [row id * max_count_s | row values * (max_count_s * D_s)]
-Indices in sparse messages are flat-buffer indices (all ranks share the parameter layout).
-The one-word count header is not counted in bytes_sent (it is not payload).
+Indices in sparse messages are flat-buffer indices (all ranks share the parameter layout); Golomb-coded
+positions are the round's own ascending positions in [0, domain) (gaps are shortest there), mapped to the flat
+buffer by the receiver. The Rice parameter b follows from capacity / domain, which every rank knows, so only
+the stream's length travels. The header words (count, stream bytes) are not counted in bytes_sent (not
+payload); the stream is, to the byte.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from compression.golomb import max_encoded_bytes, rice_decode, rice_encode, rice_parameter
 from compression.quantize import QuantizedValues, dequantize, levels
 from kernels import pack_bits, unpack_bits
 
@@ -68,6 +75,7 @@ class GatheredMessages:
     indices: Tensor  # int64 flat indices
     values: Tensor  # float32 (dequantized for quantized messages)
     counts: list[int]
+    payload: list[int] = field(default_factory=list)  # bytes each rank's message carried
 
     def without_rank(self, rank: int) -> tuple[Tensor, Tensor]:
         """Indices and values of every rank except `rank`."""
@@ -79,47 +87,90 @@ class GatheredMessages:
         )
 
 
+def _identity(indices: Tensor) -> Tensor:
+    return indices
+
+
 class SparseAllGather:
     """Pack, exchange and unpack fixed-capacity (index, value) messages.
 
     Args:
         bits: 0 for fp32 values, 1 or 2 for quantized codes (see compression.quantize).
         num_groups: number of quantizer scale groups per message (ignored when bits == 0).
+        position_code: "int32" (flat indices, 4 bytes each) or "golomb" (SBC's Rice code of the gaps
+            between ascending positions in [0, domain): about 8 bits per position at density 1%).
     """
 
-    def __init__(self, bits: int = 0, num_groups: int = 1) -> None:
+    def __init__(self, bits: int = 0, num_groups: int = 1, position_code: str = "int32") -> None:
         self.bits = bits
         self.num_scales = num_groups * levels(bits) if bits else 0
+        self.golomb = position_code == "golomb"
+        self.header_words = 2 if self.golomb else 1
+
+    def rice_parameter(self, capacity: int, domain: int) -> int:
+        """b for a message of `capacity` positions in [0, domain): a function of what every rank knows."""
+        return rice_parameter(capacity / max(domain, 1))
+
+    def index_words(self, capacity: int, domain: int) -> int:
+        if not self.golomb:
+            return capacity
+        return _words(max_encoded_bytes(capacity, self.rice_parameter(capacity, domain), domain))
 
     def value_words(self, capacity: int) -> int:
         return capacity if not self.bits else _words((capacity * self.bits + 7) // 8)
 
-    def message_words(self, capacity: int) -> int:
-        return 1 + self.num_scales + capacity + self.value_words(capacity)
+    def message_words(self, capacity: int, domain: int = 0) -> int:
+        return (
+            self.header_words
+            + self.num_scales
+            + self.index_words(capacity, domain)
+            + self.value_words(capacity)
+        )
 
-    def payload_bytes(self, count: int) -> int:
-        """Bytes a message with `count` entries carries (indices + values or codes + scales; no padding)."""
+    def payload_bytes(self, count: int, index_bytes: int | None = None, domain: int = 0) -> int:
+        """Bytes a message with `count` entries carries (positions + values or codes + scales; no padding).
+        Golomb positions: `index_bytes` (the stream's length), or the longest stream when not given."""
         if count == 0:
             return 0
+        if not self.golomb:
+            index_bytes = count * INDEX_BYTES
+        elif index_bytes is None:
+            index_bytes = max_encoded_bytes(count, self.rice_parameter(count, domain), domain)
         if not self.bits:
-            return count * (INDEX_BYTES + VALUE_BYTES)
-        return count * INDEX_BYTES + (count * self.bits + 7) // 8 + self.num_scales * 4
+            return index_bytes + count * VALUE_BYTES
+        return index_bytes + (count * self.bits + 7) // 8 + self.num_scales * 4
 
-    def pack(self, indices: Tensor, values: Tensor | QuantizedValues, capacity: int) -> Tensor:
-        """One int32 message: `indices` (flat, [count]) and fp32 `values` [count] or their quantized codes."""
+    def sent_bytes(self, message: Tensor) -> int:
+        """The payload bytes of a packed message (read from its header)."""
+        count = int(message[0])
+        return self.payload_bytes(count, int(message[1]) if self.golomb else None)
+
+    def pack(
+        self, indices: Tensor, values: Tensor | QuantizedValues, capacity: int, domain: int = 0
+    ) -> Tensor:
+        """One int32 message: `indices` [count] and fp32 `values` [count] or their quantized codes. int32
+        positions: flat indices; golomb: ascending, distinct positions in [0, domain)."""
         count = indices.numel()
         if count > capacity:
             raise ValueError(f"message has {count} entries but capacity {capacity}")
         device = indices.device
-        msg = torch.zeros(self.message_words(capacity), dtype=torch.int32, device=device)
+        index_words = self.index_words(capacity, domain)
+        msg = torch.zeros(self.message_words(capacity, domain), dtype=torch.int32, device=device)
         msg[0] = count
-        at = 1
+        at = self.header_words
         if self.bits:
             assert isinstance(values, QuantizedValues)
             msg[at : at + self.num_scales] = values.scales.to(torch.float32).view(torch.int32)
             at += self.num_scales
-        msg[at : at + count] = indices.to(torch.int32)
-        at += capacity
+        if self.golomb:
+            stream, n_bits = rice_encode(indices, self.rice_parameter(capacity, domain))
+            msg[1] = (n_bits + 7) // 8
+            room = torch.zeros(index_words * 4, dtype=torch.uint8, device=device)
+            room[: stream.numel()] = stream
+            msg[at : at + index_words] = room.view(torch.int32)
+        else:
+            msg[at : at + count] = indices.to(torch.int32)
+        at += index_words
         if self.bits:
             assert isinstance(values, QuantizedValues)
             packed = pack_bits(values.codes, self.bits)
@@ -132,20 +183,34 @@ class SparseAllGather:
         return msg
 
     def unpack(
-        self, gathered: Tensor, capacity: int, group_of: Callable[[Tensor], Tensor]
+        self,
+        gathered: Tensor,
+        capacity: int,
+        group_of: Callable[[Tensor], Tensor],
+        domain: int = 0,
+        to_flat: Callable[[Tensor], Tensor] = _identity,
     ) -> GatheredMessages:
-        """Valid entries of a [P, words] gathered tensor. `group_of(flat_indices)` gives quantizer groups."""
+        """Valid entries of a [P, words] gathered tensor. `group_of(flat_indices)` gives quantizer groups;
+        `to_flat` maps Golomb-coded positions (in [0, domain)) to flat indices."""
         counts = gathered[:, 0].tolist()
-        at = 1
+        at = self.header_words
         scales = None
         if self.bits:
             scales = gathered[:, at : at + self.num_scales].contiguous().view(torch.float32)
             at += self.num_scales
-        index_block = gathered[:, at : at + capacity]
-        value_block = gathered[:, at + capacity :]
-        indices, values = [], []
+        index_words = self.index_words(capacity, domain)
+        index_block = gathered[:, at : at + index_words]
+        value_block = gathered[:, at + index_words :]
+        b = self.rice_parameter(capacity, domain)
+        indices, values, payload = [], [], []
         for rank, count in enumerate(counts):
-            idx = index_block[rank, :count].long()
+            if self.golomb:
+                stream = index_block[rank].contiguous().view(torch.uint8)
+                idx = to_flat(rice_decode(stream, count, b)[0])
+                payload.append(self.payload_bytes(count, int(gathered[rank, 1])))
+            else:
+                idx = index_block[rank, :count].long()
+                payload.append(self.payload_bytes(count))
             if self.bits:
                 assert scales is not None
                 codes = unpack_bits(value_block[rank].contiguous().view(torch.uint8), self.bits, count)
@@ -154,7 +219,9 @@ class SparseAllGather:
                 val = value_block[rank, :count].contiguous().view(torch.float32)
             indices.append(idx)
             values.append(val)
-        return GatheredMessages(indices=torch.cat(indices), values=torch.cat(values), counts=counts)
+        return GatheredMessages(
+            indices=torch.cat(indices), values=torch.cat(values), counts=counts, payload=payload
+        )
 
 
 @dataclass

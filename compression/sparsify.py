@@ -114,6 +114,7 @@ class PendingRound:
     wire: SparseAllGather | None = None
     layer: bool = False  # per-span quantizer groups
     accumulator: Tensor | None = None  # dense fallback: the accumulator being all-reduced in place
+    domain: int = 0  # the round's positions lie in [0, domain) (Golomb-coded positions)
 
 
 class ThresholdSparsifier:
@@ -149,7 +150,9 @@ class ThresholdSparsifier:
         exchange.overlap a bucket's partition has fewer spans than the whole buffer's: one wire per count)."""
         groups = max(1, partition.num_segments if self.config.threshold == "layer" else 1)
         if groups not in self._wires:
-            self._wires[groups] = SparseAllGather(bits=self.config.quantize_bits, num_groups=groups)
+            self._wires[groups] = SparseAllGather(
+                bits=self.config.quantize_bits, num_groups=groups, position_code=self.config.position_code
+            )
         return self._wires[groups]
 
     def capacity(self, density: float, n: int) -> int:
@@ -202,7 +205,7 @@ class ThresholdSparsifier:
         wire = self.wire(partition)
         cap = self.capacity(density, n)
         rnd.capacity = cap
-        if self.config.dense_fallback and wire.payload_bytes(cap) >= n * FP32_BYTES:
+        if self.config.dense_fallback and wire.payload_bytes(cap, domain=n) >= n * FP32_BYTES:
             return self._start_dense(acc, rnd, ctx)
 
         layer = self.config.threshold == "layer"
@@ -213,18 +216,19 @@ class ThresholdSparsifier:
         own_sparse = msg.indices[: msg.count].long()
         values = msg.values[: msg.count]
         rnd.own_indices = own_sparse
-        flat_idx = partition.sparse_to_flat(own_sparse)
+        # int32 positions travel as flat indices; Golomb-coded ones as the round's own (ascending) positions
+        positions = own_sparse if wire.golomb else partition.sparse_to_flat(own_sparse)
         if wire.bits:
             groups = partition.sparse_to_segment(own_sparse) if layer else torch.zeros_like(own_sparse)
             q = quantize(values, groups, max(1, partition.num_segments if layer else 1), wire.bits)
             # acc[sent] was zeroed by sparse_gather: the quantization error becomes the residual there.
             acc.index_copy_(0, own_sparse, values - q.dequantized)
-            message = wire.pack(flat_idx, q, cap)
+            message = wire.pack(positions, q, cap, domain=n)
         else:
-            message = wire.pack(flat_idx, values, cap)
+            message = wire.pack(positions, values, cap, domain=n)
         gathered, work = start_all_gather_words(message, ctx.world_size, ctx.group)
-        rnd.bytes_sent = wire.payload_bytes(msg.count)
-        return PendingRound(rnd, work, gathered, wire, layer)
+        rnd.bytes_sent = wire.sent_bytes(message)
+        return PendingRound(rnd, work, gathered, wire, layer, domain=n)
 
     def finish(self, pending: PendingRound) -> SparseRound:
         """Wait for the round's collective and decode what every rank sent."""
@@ -242,10 +246,10 @@ class ThresholdSparsifier:
         assert pending.wire is not None
         partition = rnd.partition
         group_of = partition.flat_to_segment if pending.layer else (lambda idx: torch.zeros_like(idx))
-        rnd.gathered = pending.wire.unpack(pending.gathered, rnd.capacity, group_of)
-        rnd.bytes_received = sum(
-            pending.wire.payload_bytes(c) for r, c in enumerate(rnd.gathered.counts) if r != rnd.rank
+        rnd.gathered = pending.wire.unpack(
+            pending.gathered, rnd.capacity, group_of, pending.domain, partition.sparse_to_flat
         )
+        rnd.bytes_received = sum(b for r, b in enumerate(rnd.gathered.payload) if r != rnd.rank)
         return rnd
 
     def _start_dense(self, acc: Tensor, rnd: SparseRound, ctx: StepContext) -> PendingRound:

@@ -43,6 +43,7 @@ EXAMPLES: dict[str, object] = {
     "dense_vectors": False,
     "embedding_rows": False,
     "quantize_bits": 2,
+    "position_code": "golomb",
     "dense_fallback": False,
     "sample_seed": 3,
     "hierarchy": "node",
@@ -202,6 +203,10 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
         with pytest.raises(ValueError, match=r"^exchange.quantize_bits quantizes the sparse pseudo-gradient"):
             check_exchange(config)
         return
+    if method == "diloco" and key == "position_code":  # codes the sparse pseudo-gradient's positions only
+        with pytest.raises(ValueError, match=r"^exchange.position_code codes the positions of exchange"):
+            check_exchange(config)
+        return
     if method in READERS[key]:
         check_exchange(config)
         return
@@ -213,7 +218,8 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
 
 def test_shared_options_table() -> None:
     """Who reads what (each method's declaration): the dropping family everything but the overlap, which
-    dropping, local_mix and dgc read; dgc no embedding rows; dgs no dense vectors, embedding rows or
+    dropping, local_mix and dgc read, and the position code, which dgs's own wire does not use; dgc no
+    embedding rows; dgs no dense vectors, embedding rows or
     hierarchy; powersgd only the seed; diloco the sparse round's options (for its compressed
     pseudo-gradients), not the drop ratio or its warm-up; dense and dense_bf16 only the overlap; sbc and
     local_sgd none."""
@@ -235,6 +241,7 @@ def test_shared_options_table() -> None:
         "sample_size",
         "capacity_factor",
         "quantize_bits",
+        "position_code",
         "dense_fallback",
         "dense_vectors",
         "sample_seed",
@@ -245,6 +252,7 @@ def test_shared_options_table() -> None:
     assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
     assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc", "diloco"}
+    assert readers["position_code"] == {"dropping", "local_mix", "dgc", "diloco"}
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
 
 

@@ -61,6 +61,8 @@ def test_config_errors_name_the_key() -> None:
         ExchangeConfig(method="dgc", dgc=DgcOptions(local_clip_norm=-1.0)).validate()
     with pytest.raises(ValueError, match="exchange.quantize_bits"):
         GradientDropping(ExchangeConfig(method="dropping", quantize_bits=3))
+    with pytest.raises(ValueError, match="^exchange.position_code must be 'int32' or 'golomb', got 'rice'$"):
+        ExchangeConfig(method="dropping", position_code="rice").validate()
 
 
 def test_warmup_density_follows_aji_schedule() -> None:

@@ -276,6 +276,28 @@ def test_the_accumulator_keeps_exactly_what_was_not_sent():
         assert bool(expected[sent].abs().min() >= expected[~sent].abs().max())  # the largest were sent
 
 
+def _both_position_codes(rank: int, world: int) -> dict:
+    out = {}
+    for code in ("int32", "golomb"):
+        method = diloco(3, density=0.2, outer_momentum=0.0, outer_lr=1.0)
+        method.config.quantize_bits, method.config.position_code = 2, code
+        params = start()
+        method.synchronize_params(params, ctx(0, world, rank))
+        sent = 0
+        for step in range(7):
+            params -= LR * gradient(step, rank)
+            sent += method.after_step(params, ctx(step + 1, world, rank)).bytes_sent
+        out[code] = (params, sent)
+    return out
+
+
+def test_golomb_positions_give_the_same_compressed_diloco_in_fewer_bytes():
+    for got in run_ranks(_both_position_codes, 2):
+        (int32_params, int32_bytes), (golomb_params, golomb_bytes) = got["int32"], got["golomb"]
+        assert torch.equal(int32_params, golomb_params)
+        assert 0 < golomb_bytes < int32_bytes
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_low_bit_codes_decode_within_their_rounding(bits):
     from compression.pseudo_gradients import CHUNK, decode_low_bit, encode_low_bit
