@@ -12,11 +12,18 @@ the runs logged (`<model_dir>/metrics.jsonl`), so every number in the report com
         --common train.max_wall_s=600
     python bench/compare_methods.py --report-only --runs-dir models/compare    # re-read finished runs
 
+A grid that spans sessions: with `--archive DIR` every finished run's record (its rows, logs, config and
+command; no checkpoints) is copied to DIR/NAME, which can be committed; a later session without the run's
+model_dir restores the record from there, skips the run (with --skip-existing) and reports it.
+
 Without --run, a default set is used (dense, dropping, dropping + 2-bit, local_mix replace and sum; DGC needs
 an SGD learning rate, so it is only run when asked for). Report columns:
     final / best dev BLEU   last and best `valid` row; test BLEU: the `test` row (best checkpoint), if any
+    dev BLEU by validation  every `valid` row's BLEU, in step order (the curve in one cell)
     bytes/step              cumulative bytes_sent of the last row / its step (everything the exchange sent,
                             parameter averaging included), per rank
+    bytes/sync              local-update methods (train rows with `syncs`): bytes of one sync (one
+                            fragment's for Streaming DiLoCo), averaged over the run's syncs
     compression             dense fp32 all-reduce payload (n * 4 bytes) / bytes per step, n = trainable
                             parameters (from the run's log line "nmt-train: N parameters", or --params)
     wall                    wall_s of the last row (training loop time)
@@ -48,6 +55,7 @@ DEFAULT_RUNS: list[tuple[str, list[str]]] = [
 PARAMS_LINE = re.compile(r"nmt-train: ([\d,]+) parameters")
 LOG_FILE = "compare.log"
 RUN_FILE = "compare_run.json"
+ARCHIVED = ("metrics.jsonl", RUN_FILE, LOG_FILE, "config.yml", "train.log")  # a run's record, no weights
 
 
 @dataclass
@@ -82,6 +90,12 @@ class RunSummary:
         if self.total_bytes is None or self.last_step == 0:
             return None
         return self.total_bytes / self.last_step
+
+    @property
+    def bytes_per_sync(self) -> float | None:
+        rows = [r for r in self.of_kind("train") if r.get("syncs")]
+        syncs = sum(r["syncs"] for r in rows)
+        return sum(r["bytes_per_sync"] * r["syncs"] for r in rows) / syncs if syncs else None
 
     @property
     def wall_s(self) -> float | None:
@@ -148,6 +162,32 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     print(f"[{run.name}] exit {run.returncode} after {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
+def archive(run: RunSummary, archive_dir: Path | None) -> None:
+    """Copy a finished run's record to archive_dir/NAME (ARCHIVED files that exist)."""
+    if archive_dir is None or not _finished(run.model_dir):
+        return
+    target = archive_dir / run.name
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED:
+        if (run.model_dir / name).exists():
+            shutil.copy2(run.model_dir / name, target / name)
+
+
+def restore(run: RunSummary, archive_dir: Path | None) -> bool:
+    """A run without a model_dir whose finished record is archived: copy it back; True if restored."""
+    if archive_dir is None or run.model_dir.exists():
+        return False
+    source = archive_dir / run.name
+    if not _finished(source):
+        return False
+    run.model_dir.mkdir(parents=True)
+    for name in ARCHIVED:
+        if (source / name).exists():
+            shutil.copy2(source / name, run.model_dir / name)
+    print(f"[{run.name}] restored from {source}", file=sys.stderr)
+    return True
+
+
 def _finished(model_dir: Path) -> bool:
     """The run ended: its metrics have a test row, or its last checkpoint says it finished."""
     metrics = model_dir / "metrics.jsonl"
@@ -208,9 +248,10 @@ def human_bytes(n: float | None) -> str:
 
 def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
     lines = [
-        "| run | overrides | steps | final dev loss | final dev BLEU | best dev BLEU | test BLEU "
-        "| final dev chrF | bytes/step | total sent per rank | compression vs dense fp32 | wall (s) | exit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | overrides | steps | final dev loss | final dev BLEU | best dev BLEU "
+        "| dev BLEU by validation | test BLEU | final dev chrF | bytes/step | bytes/sync "
+        "| total sent per rank | compression vs dense fp32 | wall (s) | exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         bleu = run.valid_bleu
@@ -226,8 +267,9 @@ def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
         lines.append(
             f"| {run.name} | `{' '.join(run.overrides)}` | {run.last_step} | {fmt(dev_loss, '.3f')} "
             f"| {fmt(final.get('bleu'), '.2f')} "
-            f"| {fmt(best, '.2f')} | {fmt(test_bleu, '.2f')} | {fmt(final.get('chrf'), '.2f')} "
-            f"| {human_bytes(bps)} | {human_bytes(run.total_bytes)} "
+            f"| {fmt(best, '.2f')} | {' / '.join(fmt(r['bleu'], '.2f') for r in bleu) or '–'} "
+            f"| {fmt(test_bleu, '.2f')} | {fmt(final.get('chrf'), '.2f')} "
+            f"| {human_bytes(bps)} | {human_bytes(run.bytes_per_sync)} | {human_bytes(run.total_bytes)} "
             f"| {fmt(ratio, '.1f')}{'x' if ratio else ''} | {fmt(run.wall_s, '.0f')} "
             f"| {'–' if run.returncode is None else run.returncode} |"
         )
@@ -243,15 +285,17 @@ def plot(runs: list[RunSummary], plots_dir: Path) -> list[Path]:
     plots_dir.mkdir(parents=True, exist_ok=True)
     made = []
     axes_spec = [
-        ("bleu_vs_step.png", "step", "optimizer steps", False),
-        ("bleu_vs_bytes.png", "bytes_sent", "bytes sent per rank (cumulative)", True),
-        ("bleu_vs_wall.png", "wall_s", "training wall time (s)", False),
+        ("bleu_vs_step.png", "step", "optimizer steps", "bleu", "dev BLEU", False),
+        ("bleu_vs_bytes.png", "bytes_sent", "bytes sent per rank (cumulative)", "bleu", "dev BLEU", True),
+        ("bleu_vs_wall.png", "wall_s", "training wall time (s)", "bleu", "dev BLEU", False),
+        ("loss_vs_step.png", "step", "optimizer steps", "loss", "dev loss", False),
     ]
-    for filename, key, label, log_x in axes_spec:
+    for filename, key, label, y_key, y_label, log_x in axes_spec:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         drawn = False
         for run in runs:
-            points = [(r[key], r["bleu"]) for r in run.valid_bleu if r.get(key) is not None]
+            valid = [r for r in run.of_kind("valid") if r.get(y_key) is not None]
+            points = [(r[key], r[y_key]) for r in valid if r.get(key) is not None]
             if log_x:
                 points = [(x, y) for x, y in points if x > 0]
             if points:
@@ -264,7 +308,7 @@ def plot(runs: list[RunSummary], plots_dir: Path) -> list[Path]:
         if log_x:
             ax.set_xscale("log")
         ax.set_xlabel(label)
-        ax.set_ylabel("dev BLEU")
+        ax.set_ylabel(y_label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -334,6 +378,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="delete an existing run directory and retrain")
     p.add_argument("--skip-existing", action="store_true", help="report existing runs instead of retraining")
     p.add_argument("--report-only", action="store_true", help="train nothing; report the runs in --runs-dir")
+    p.add_argument(
+        "--archive",
+        type=Path,
+        default=None,
+        help="copy each finished run's record here (and restore it from here when its model_dir is missing)",
+    )
     args = p.parse_args(argv)
     if not args.report_only and not args.config:
         p.error("--config is required unless --report-only")
@@ -351,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report_only:
         runs = [load(r) for r in discover(args.runs_dir)]
+        for run in runs:
+            archive(run, args.archive)
         if not runs:
             sys.exit(f"compare_methods: no runs found under {args.runs_dir}")
     else:
@@ -362,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for name, overrides in specs:
             run = RunSummary(name, list(overrides), args.runs_dir / name)
+            restore(run, args.archive)
             train(run, args, nmt_train)
+            archive(run, args.archive)
             runs.append(load(run))
     plots = plot(runs, args.plots)
     write_report(runs, args, args.out, plots)

@@ -1,0 +1,59 @@
+"""bench/compare_methods.py's report: every figure comes from the runs' rows (here, rows the test writes)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from compare_methods import RunSummary, table  # noqa: E402
+
+
+def test_the_table_gives_the_dev_bleu_curve_and_the_bytes_of_one_sync(tmp_path: Path) -> None:
+    rows = [
+        {"step": 50, "kind": "train", "bytes_sent": 1000, "syncs": 1, "bytes_per_sync": 1000.0},
+        {"step": 100, "kind": "train", "bytes_sent": 4000, "syncs": 2, "bytes_per_sync": 1500.0},
+        {"step": 100, "kind": "valid", "loss": 4.5, "bleu": 1.5, "chrf": 20.0},
+        {"step": 200, "kind": "valid", "loss": 4.0, "bleu": 3.25, "chrf": 25.0, "bytes_sent": 8000},
+        {"step": 200, "kind": "test", "bleu": 4.0},
+    ]
+    run = RunSummary("diloco", ["exchange.method=diloco"], tmp_path, rows=rows, n_params=1000, returncode=0)
+    header, _, line = table([run], None)
+    cells = dict(zip(header.strip("|").split(" | "), line.strip("|").split(" | ")))
+    assert cells["dev BLEU by validation"] == "1.50 / 3.25"
+    assert cells["bytes/sync"] == "1.33 KB"  # (1000 * 1 + 1500 * 2) / 3 syncs
+    assert cells["bytes/step"] == "40 B" and cells["test BLEU"] == "4.00"
+    dense = RunSummary("dense", [], tmp_path, rows=[{"step": 10, "kind": "train", "bytes_sent": 40}])
+    assert (
+        dict(zip(header.strip("|").split(" | "), table([dense], 10)[2].strip("|").split(" | ")))["bytes/sync"]
+        == "–"
+    )
+
+
+def test_an_archived_run_is_restored_skipped_and_reported_in_a_later_session(tmp_path: Path) -> None:
+    """A session's finished run goes to --archive; the next session (no models/) restores it, trains
+    nothing (nmt-train here is `false`: it would fail the run) and reports the archived figures."""
+    from compare_methods import main
+
+    runs_dir, archive_dir = tmp_path / "models", tmp_path / "archive"
+    finished = runs_dir / "dense"
+    finished.mkdir(parents=True)
+    rows = [
+        '{"step": 10, "kind": "valid", "loss": 4.0, "bleu": 2.5}',
+        '{"step": 10, "kind": "test", "bleu": 3.5}',
+    ]
+    (finished / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (finished / "compare_run.json").write_text('{"name": "dense", "overrides": ["exchange.method=dense"]}')
+    (finished / "step-00000010").mkdir()  # weights: not archived
+    common = ["--runs-dir", str(runs_dir), "--archive", str(archive_dir), "--plots", str(tmp_path / "plots")]
+    assert main(["--report-only", *common, "--out", str(tmp_path / "first.md")]) == 0
+    assert sorted(p.name for p in (archive_dir / "dense").iterdir()) == ["compare_run.json", "metrics.jsonl"]
+
+    shutil.rmtree(runs_dir)  # a new session: models/ is gone
+    out = tmp_path / "second.md"
+    argv = ["--config", "recipe.yml", "--skip-existing", "--nmt-train", "false", *common, "--out", str(out)]
+    assert main([*argv, "--run", "dense", "exchange.method=dense"]) == 0
+    assert (runs_dir / "dense" / "metrics.jsonl").exists()
+    assert "| dense | `exchange.method=dense` | 10 | 4.000 | 2.50 | 2.50 | 2.50 | 3.50 |" in out.read_text()
