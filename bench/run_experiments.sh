@@ -192,6 +192,10 @@ local-updates|all)
     --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50
     --run diloco-10 exchange.method=diloco exchange.diloco.sync_every=10
     --run diloco-100 exchange.method=diloco exchange.diloco.sync_every=100
+    # the outer step's strength at H = 50: plain averaging (outer lr 1, no momentum) and a milder momentum
+    --run diloco-50-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_lr=1
+      exchange.diloco.outer_momentum=0
+    --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
     --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
     --run streaming-50-f4-t5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
       exchange.diloco.overlap_steps=5
