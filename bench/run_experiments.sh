@@ -197,8 +197,10 @@ local-updates|all)
       exchange.diloco.outer_momentum=0
     --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
     --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
-    --run streaming-50-f4-t5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
-      exchange.diloco.overlap_steps=5
+    # Streaming DiLoCo with the outer step that lost least at H = 50 here (plain averaging: the paper's outer
+    # lr 0.7 with Nesterov 0.9 overshoots with 2 workers, docs/results.md section 9)
+    --run streaming-50-f4-t5-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
+      exchange.diloco.overlap_steps=5 exchange.diloco.outer_lr=1 exchange.diloco.outer_momentum=0
     # SparseLoCo's setting: chunk-wise top-k (one chunk per tensor), 2-bit values, the accumulator in place of
     # the outer momentum (outer_momentum 0, outer_lr 1: theta <- theta - mean); positions Golomb-coded
     --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01
