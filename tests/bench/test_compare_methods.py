@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_helpers import load_bench
 
-from compare_methods import RunSummary, table  # noqa: E402
+compare_methods = load_bench("compare_methods")
+RunSummary, table = compare_methods.RunSummary, compare_methods.table
 
 
 def test_the_table_gives_the_dev_bleu_curve_and_the_bytes_of_one_sync(tmp_path: Path) -> None:
@@ -35,8 +35,7 @@ def test_the_table_gives_the_dev_bleu_curve_and_the_bytes_of_one_sync(tmp_path: 
 def test_an_archived_run_is_restored_skipped_and_reported_in_a_later_session(tmp_path: Path) -> None:
     """A session's finished run goes to --archive; the next session (no models/) restores it, trains
     nothing (nmt-train here is `false`: it would fail the run) and reports the archived figures."""
-    from compare_methods import main
-
+    main = compare_methods.main
     runs_dir, archive_dir = tmp_path / "models", tmp_path / "archive"
     finished = runs_dir / "dense"
     finished.mkdir(parents=True)
