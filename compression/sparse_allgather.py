@@ -140,9 +140,9 @@ class SparseAllGather:
             return index_bytes + count * VALUE_BYTES
         return index_bytes + (count * self.bits + 7) // 8 + self.num_scales * 4
 
-    def sent_bytes(self, message: Tensor) -> int:
-        """The payload bytes of a packed message (read from its header)."""
-        count = int(message[0])
+    def sent_bytes(self, message: Tensor, count: int) -> int:
+        """The payload bytes of a packed message of `count` entries; only Golomb positions read the header
+        (the stream's length), so the int32 path reads nothing back from the device."""
         return self.payload_bytes(count, int(message[1]) if self.golomb else None)
 
     def pack(

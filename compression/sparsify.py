@@ -227,7 +227,7 @@ class ThresholdSparsifier:
         else:
             message = wire.pack(positions, values, cap, domain=n)
         gathered, work = start_all_gather_words(message, ctx.world_size, ctx.group)
-        rnd.bytes_sent = wire.sent_bytes(message)
+        rnd.bytes_sent = wire.sent_bytes(message, msg.count)
         return PendingRound(rnd, work, gathered, wire, layer, domain=n)
 
     def finish(self, pending: PendingRound) -> SparseRound:

@@ -126,10 +126,10 @@ def test_golomb_bytes_are_the_stream_and_about_a_quarter_of_int32_at_1_percent()
     message = golomb.pack(idx, vals, count, domain=DOMAIN)
     b = golomb.rice_parameter(count, DOMAIN)
     stream, n_bits = rice_encode(idx, b)
-    assert golomb.sent_bytes(message) == stream.numel() + 4 * count == (n_bits + 7) // 8 + 4 * count
+    assert golomb.sent_bytes(message, count) == stream.numel() + 4 * count == (n_bits + 7) // 8 + 4 * count
     bits_per_position = 8 * stream.numel() / count
     assert 7.5 < bits_per_position < 10.0
-    assert SparseAllGather().sent_bytes(SparseAllGather().pack(idx, vals, count)) == 8 * count
+    assert SparseAllGather().sent_bytes(SparseAllGather().pack(idx, vals, count), count) == 8 * count
     # the room reserved for positions bounds every stream of `capacity` positions, however they fall
     worst = torch.arange(DOMAIN - count, DOMAIN)  # one long first gap, then unit gaps
     assert rice_encode(worst, b)[0].numel() <= 4 * golomb.index_words(count, DOMAIN)
