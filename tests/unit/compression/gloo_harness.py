@@ -14,6 +14,7 @@ once the parent has used OpenMP threads.)
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (before any group exists: see nmt.training.distributed.init_process_group)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -42,6 +44,7 @@ def _entry(
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
+        gc.collect()  # no cycle may hold the group into interpreter shutdown (gloo's threads would abort)
         dist.destroy_process_group()
 
 
