@@ -14,7 +14,6 @@ once the parent has used OpenMP threads.)
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -25,6 +24,8 @@ import torch
 import torch._dynamo  # noqa: F401  (before any group exists: see nmt.training.distributed.init_process_group)
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nmt.training.distributed import destroy_process_group
 
 mp.set_forkserver_preload(["torch", "torch.distributed", "compression", "kernels"])
 
@@ -44,8 +45,7 @@ def _entry(
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
-        gc.collect()  # no cycle may hold the group into interpreter shutdown (gloo's threads would abort)
-        dist.destroy_process_group()
+        destroy_process_group()  # collects cycles first: none may hold the group into interpreter shutdown
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
