@@ -188,24 +188,25 @@ local-updates|all)
   LU=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
       --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model)
   LU_RUNS=(
+    # most informative first, so a grid cut short by a session still holds the comparisons that matter
     --run dense exchange.method=dense
-    --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50
-    --run diloco-10 exchange.method=diloco exchange.diloco.sync_every=10
-    --run diloco-100 exchange.method=diloco exchange.diloco.sync_every=100
+    --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
     # the outer step's strength at H = 50: plain averaging (outer lr 1, no momentum) and a milder momentum
     --run diloco-50-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_lr=1
       exchange.diloco.outer_momentum=0
-    --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
-    --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
-    # Streaming DiLoCo with the outer step that lost least at H = 50 here (plain averaging: the paper's outer
-    # lr 0.7 with Nesterov 0.9 overshoots with 2 workers, docs/results.md section 9)
-    --run streaming-50-f4-t5-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
-      exchange.diloco.overlap_steps=5 exchange.diloco.outer_lr=1 exchange.diloco.outer_momentum=0
+    --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50
     # SparseLoCo's setting: chunk-wise top-k (one chunk per tensor), 2-bit values, the accumulator in place of
     # the outer momentum (outer_momentum 0, outer_lr 1: theta <- theta - mean); positions Golomb-coded
     --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01
       exchange.quantize_bits=2 exchange.threshold=layer exchange.diloco.outer_momentum=0 exchange.diloco.outer_lr=1
       exchange.position_code=golomb
+    # Streaming DiLoCo with the outer step that lost least at H = 50 here (plain averaging: the paper's outer
+    # lr 0.7 with Nesterov 0.9 overshoots with 2 workers, docs/results.md section 9)
+    --run streaming-50-f4-t5-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.fragments=4
+      exchange.diloco.overlap_steps=5 exchange.diloco.outer_lr=1 exchange.diloco.outer_momentum=0
+    --run diloco-10 exchange.method=diloco exchange.diloco.sync_every=10
+    --run diloco-100 exchange.method=diloco exchange.diloco.sync_every=100
+    --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
     --run sparse-50-d0.001-2bit exchange.method=diloco exchange.diloco.sync_every=50
       exchange.diloco.density=0.001 exchange.quantize_bits=2 exchange.threshold=layer
       exchange.diloco.outer_momentum=0 exchange.diloco.outer_lr=1 exchange.position_code=golomb
