@@ -139,6 +139,8 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
             shutil.rmtree(run.model_dir)
     run.model_dir.mkdir(parents=True, exist_ok=resume)
     cmd = [nmt_train, "--config", args.config, "--workers", str(args.workers), f"model_dir={run.model_dir}"]
+    if args.allow_oversubscribe:
+        cmd.append("--allow-oversubscribe")
     cmd += args.common + run.overrides
     (run.model_dir / RUN_FILE).write_text(
         json.dumps(
@@ -365,6 +367,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--common", action="append", default=[], metavar="KEY=VALUE", help="override for every run"
+    )
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="pass --allow-oversubscribe to nmt-train (more workers than cores: for quality, not timing)",
     )
     p.add_argument(
         "--runs-dir", type=Path, default=Path("models/compare"), help="model_dir parent of the runs"

@@ -234,7 +234,8 @@ local-updates-workers|all)
   LU=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
       --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model
       --common data.batch_tokens=375)
-  $PY bench/compare_methods.py --workers 4 --skip-existing --config recipes/bible-es-en-adam.yml \
+  $PY bench/compare_methods.py --workers 4 --allow-oversubscribe --skip-existing \
+    --config recipes/bible-es-en-adam.yml \
     --runs-dir models/local-updates-adam-4w --archive docs/runs/local-updates-adam-4w \
     --out docs/results-local-updates-adam-4w.md --plots docs/plots/local-updates-adam-4w "${LU[@]}" \
     --run dense exchange.method=dense \

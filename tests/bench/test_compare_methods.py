@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -56,3 +57,23 @@ def test_an_archived_run_is_restored_skipped_and_reported_in_a_later_session(tmp
     assert main([*argv, "--run", "dense", "exchange.method=dense"]) == 0
     assert (runs_dir / "dense" / "metrics.jsonl").exists()
     assert "| dense | `exchange.method=dense` | 10 | 4.000 | 2.50 | 2.50 | 2.50 | 3.50 |" in out.read_text()
+
+
+def test_more_workers_than_cores_is_passed_on_to_nmt_train_only_when_asked(tmp_path: Path) -> None:
+    """The 4-worker quality runs on a 2-core machine need nmt-train's --allow-oversubscribe; without the flag
+    nmt-train refuses them, so the command must carry it exactly when the user passed it."""
+    for flag, runs_dir in (["--allow-oversubscribe"], tmp_path / "yes"), ([], tmp_path / "no"):
+        argv = ["--config", "recipe.yml", "--workers", "4", "--nmt-train", "false"]
+        argv += [
+            "--runs-dir",
+            str(runs_dir),
+            *flag,
+            "--out",
+            str(tmp_path / "report.md"),
+            "--plots",
+            str(tmp_path / "plots"),
+        ]
+        compare_methods.main([*argv, "--run", "dense", "exchange.method=dense"])
+        command = json.loads((runs_dir / "dense" / "compare_run.json").read_text())["command"]
+        assert command[:5] == ["false", "--config", "recipe.yml", "--workers", "4"]
+        assert ("--allow-oversubscribe" in command) == bool(flag)
