@@ -55,7 +55,7 @@ DEFAULT_RUNS: list[tuple[str, list[str]]] = [
 PARAMS_LINE = re.compile(r"nmt-train: ([\d,]+) parameters")
 LOG_FILE = "compare.log"
 RUN_FILE = "compare_run.json"
-ARCHIVED = ("metrics.jsonl", RUN_FILE, LOG_FILE, "config.yml", "train.log")  # a run's record, no weights
+ARCHIVED = ("metrics.jsonl", RUN_FILE, LOG_FILE, "config.yml", "train.log", "anatomy.jsonl")  # no weights
 
 
 @dataclass
@@ -138,7 +138,8 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
         else:
             shutil.rmtree(run.model_dir)
     run.model_dir.mkdir(parents=True, exist_ok=resume)
-    cmd = [nmt_train, "--config", args.config, "--workers", str(args.workers), f"model_dir={run.model_dir}"]
+    cmd = [*shlex.split(nmt_train), "--config", args.config, "--workers", str(args.workers)]
+    cmd.append(f"model_dir={run.model_dir}")
     if args.allow_oversubscribe:
         cmd.append("--allow-oversubscribe")
     cmd += args.common + run.overrides
@@ -381,7 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--params", type=int, default=None, help="trainable parameter count (else read from the logs)"
     )
-    p.add_argument("--nmt-train", default=None, help="nmt-train executable (default: next to this python)")
+    p.add_argument(
+        "--nmt-train",
+        default=None,
+        help="nmt-train command (default: the one next to this python); a command line is split as a shell "
+        "would, e.g. '.venv/bin/python bench/drop_anatomy.py' (it takes nmt-train's arguments)",
+    )
     p.add_argument("--fresh", action="store_true", help="delete an existing run directory and retrain")
     p.add_argument("--skip-existing", action="store_true", help="report existing runs instead of retraining")
     p.add_argument("--report-only", action="store_true", help="train nothing; report the runs in --runs-dir")

@@ -291,6 +291,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="recipe passed to the trainer (as nmt-train --config)")
     p.add_argument("--workers", type=int, default=2, help="local workers (started under torchrun)")
+    p.add_argument(
+        "--allow-oversubscribe", action="store_true", help="accepted as nmt-train's (torchrun does not check)"
+    )
     p.add_argument("--every", type=int, default=100, help="steps per anatomy interval (one row per tensor)")
     p.add_argument("--report", nargs="+", type=Path, help="run directories to summarise instead of training")
     p.add_argument("--out", type=Path, help="markdown file for --report (default: stdout)")

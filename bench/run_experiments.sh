@@ -244,6 +244,41 @@ local-updates-workers|all)
       exchange.quantize_bits=2 exchange.threshold=layer exchange.diloco.outer_momentum=0 \
       exchange.diloco.outer_lr=1 exchange.position_code=golomb
   ;;&
+per-step-quality|all)
+  # Issue 27: where sparse exchange loses per step, at equal steps (2,000) over loopback, 2 workers, the
+  # make-train recipe (momentum SGD) and its Adam twin. The dropping-family runs go through
+  # bench/drop_anatomy.py (nmt-train's trainer, every round watched: MODEL_DIR/anatomy.jsonl, per tensor);
+  # dense and DGC through nmt-train. Resumable (--skip-existing, records archived in docs/runs/).
+  PQ=(--common train.max_wall_s=0 --common "train.max_steps=${PQ_STEPS:-2000}" --common valid.every=500
+      --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model)
+  LM99=(exchange.method=local_mix exchange.drop_ratio=0.99)
+  PQ_WATCHED=(
+    --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 $W
+    --run local_mix-99 "${LM99[@]}" $W $A
+    --run local_mix-99-sum "${LM99[@]}" exchange.local_mix.local_mode=sum $W $A
+    --run local_mix-99-layer "${LM99[@]}" exchange.threshold=layer $W $A
+    --run local_mix-99-warmup0 "${LM99[@]}" exchange.warmup_steps=0 $A
+    --run local_mix-99-warmup500 "${LM99[@]}" exchange.warmup_steps=500 $A
+    --run local_mix-99-avg10 "${LM99[@]}" $W exchange.local_mix.average_every=10
+    --run local_mix-99-avg1000 "${LM99[@]}" $W exchange.local_mix.average_every=1000
+    --run local_mix-99.9 exchange.method=local_mix exchange.drop_ratio=0.999 $W $A
+  )
+  for recipe in bible-es-en bible-es-en-adam; do
+    where=(--runs-dir "models/per-step-quality/$recipe" --archive "docs/runs/per-step-quality/$recipe"
+           --plots "docs/plots/per-step-quality/$recipe")
+    baselines=(--run dense exchange.method=dense)
+    if [ $recipe = bible-es-en ]; then baselines+=(--run dgc-99 "${DGC[@]}" $W); fi  # DGC is SGD's
+    $PY bench/compare_methods.py --workers 2 --skip-existing --config "recipes/$recipe.yml" "${where[@]}" \
+      --out "models/per-step-quality/$recipe-baselines.md" "${PQ[@]}" "${baselines[@]}"
+    $PY bench/compare_methods.py --workers 2 --skip-existing --config "recipes/$recipe.yml" "${where[@]}" \
+      --nmt-train "$PY bench/drop_anatomy.py --every 100" \
+      --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
+    # one report over every run of the recipe; the per-tensor tables of the watched runs
+    $PY bench/compare_methods.py --report-only "${where[@]}" --out "docs/results-per-step-quality-$recipe.md"
+    $PY bench/drop_anatomy.py --report "models/per-step-quality/$recipe"/{dropping,local_mix}* \
+      --out "docs/results-drop-anatomy-$recipe.md"
+  done
+  ;;&
 exchange-model|all)
   $PY bench/exchange_model.py --out docs/plots/exchange-model
   ;;&

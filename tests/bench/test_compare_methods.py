@@ -77,3 +77,13 @@ def test_more_workers_than_cores_is_passed_on_to_nmt_train_only_when_asked(tmp_p
         command = json.loads((runs_dir / "dense" / "compare_run.json").read_text())["command"]
         assert command[:5] == ["false", "--config", "recipe.yml", "--workers", "4"]
         assert ("--allow-oversubscribe" in command) == bool(flag)
+
+
+def test_a_command_line_with_arguments_can_stand_in_for_nmt_train(tmp_path: Path) -> None:
+    """`--nmt-train '.venv/bin/python bench/drop_anatomy.py'` (a script taking nmt-train's arguments) is split
+    into its words, not run as one executable of that name."""
+    argv = ["--config", "recipe.yml", "--nmt-train", "false --every 50", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--out", str(tmp_path / "report.md"), "--plots", str(tmp_path / "plots")]
+    compare_methods.main([*argv, "--run", "dropping", "exchange.method=dropping"])
+    command = json.loads((tmp_path / "runs" / "dropping" / "compare_run.json").read_text())["command"]
+    assert command[:4] == ["false", "--every", "50", "--config"]
