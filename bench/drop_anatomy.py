@@ -95,6 +95,9 @@ class RoundAnatomy:
         if self._grad is None or self._acc is None:
             return  # a skipped step: the method dropped its round
         residual = residual.detach().float()
+        if self.age.device != residual.device:  # a CUDA run: the ages live beside the residual
+            self.age, self.ever_sent = self.age.to(residual.device), self.ever_sent.to(residual.device)
+            self._lengths = self._lengths.to(residual.device)
         sent = residual != self._acc
         grad_sq = self._grad.square()
         self.age += 1
@@ -109,15 +112,15 @@ class RoundAnatomy:
             ],
             dim=1,
         )
-        self.sums[:, :4] += step
+        self.sums[:, :4] += step.cpu()
         self.sums[:, 4] += 1
         self._grad = self._acc = None
 
     def snapshot(self) -> Tensor:
         """The interval's sums with the ages at its end (age sum, entries never sent): what ranks add up."""
         table = self.sums.clone()
-        table[:, 5] = self._per_tensor(self.age.double())
-        table[:, 6] = self._per_tensor((~self.ever_sent).double())
+        table[:, 5] = self._per_tensor(self.age.double()).cpu()
+        table[:, 6] = self._per_tensor((~self.ever_sent).double()).cpu()
         return table
 
 
@@ -191,7 +194,9 @@ def report(anatomy: RoundAnatomy, step: int, world: int, group, out: Path | None
     """All ranks add their tables (one small all-reduce); rank 0 writes the rows; the interval restarts."""
     table = anatomy.snapshot()
     if world > 1:
+        table = table.to(anatomy.age.device)  # NCCL reduces CUDA tensors only
         dist.all_reduce(table, group=group)
+        table = table.cpu()
     if out is not None:
         with out.open("a", encoding="utf-8") as f:
             for row in anatomy_rows(step, anatomy.names, anatomy.lengths, table, world):
