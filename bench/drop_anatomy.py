@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -320,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(text)
         return 0
-    if "RANK" in os.environ or args.workers == 1:
+    from nmt.training.distributed import under_launcher
+
+    if under_launcher() or args.workers == 1:
         return run_worker(args.config, args.overrides, args.every)
     cmd = [
         sys.executable,
