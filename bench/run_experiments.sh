@@ -242,7 +242,10 @@ local-updates-workers|all)
     --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50 \
     --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01 \
       exchange.quantize_bits=2 exchange.threshold=layer exchange.diloco.outer_momentum=0 \
-      exchange.diloco.outer_lr=1 exchange.position_code=golomb
+      exchange.diloco.outer_lr=1 exchange.position_code=golomb \
+    --run diloco-50-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_lr=1 \
+      exchange.diloco.outer_momentum=0 \
+    --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
   ;;&
 per-step-quality|all)
   # Issue 27: where sparse exchange loses per step, at equal steps (2,000) over loopback, 2 workers, the
