@@ -204,16 +204,11 @@ def report(anatomy: RoundAnatomy, step: int, world: int, group, out: Path | None
 
 
 def train_watched(config, info, device, every: int) -> None:
-    """The body of one rank: nmt-train's trainer, its exchange watched (nmt.cli.train's _fit plus `watch`)."""
-    from nmt.training.trainer import Trainer
+    """The body of one rank: nmt-train's, with the trainer's exchange watched before training starts."""
+    from nmt.cli.train import fit_rank
 
-    trainer = Trainer(config, info, device)
-    try:
-        out = Path(config.model_dir) / ANATOMY_FILE if info.is_main else None
-        watch(trainer, every, out)
-        trainer.fit()
-    finally:
-        trainer.close()
+    out = Path(config.model_dir) / ANATOMY_FILE if info.is_main else None
+    fit_rank(config, info, device, prepare=lambda trainer: watch(trainer, every, out))
 
 
 def run_worker(config_path: str, overrides: list[str], every: int) -> int:

@@ -16,7 +16,9 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +50,9 @@ from nmt.training.metrics import tensorboard_problem
 from nmt.training.precision import PrecisionError, require_runnable
 from nmt.training.resume_options import check_resume_options
 from nmt.training.runner import report_failure, run_rank
+
+if TYPE_CHECKING:
+    from nmt.training.trainer import Trainer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,15 +350,21 @@ def _without_workers_flag(argv: list[str]) -> list[str]:
 
 def run_worker(config: Config) -> int:
     """Train as this process's rank of a synchronous job; returns the exit code."""
-    return run_rank(config, _fit)
+    return run_rank(config, fit_rank)
 
 
-def _fit(config: Config, info: WorkerInfo, device: torch.device) -> None:
-    """Build and run the trainer in a frame of its own, so that nothing holds it once training ends."""
+def fit_rank(
+    config: Config, info: WorkerInfo, device: torch.device, prepare: Callable[[Trainer], None] | None = None
+) -> None:
+    """Build and run the trainer in a frame of its own, so that nothing holds it once training ends.
+
+    `prepare` sees the built trainer before training starts (bench/drop_anatomy.py watches its exchange)."""
     from nmt.training.trainer import Trainer
 
     trainer = Trainer(config, info, device)
     try:
+        if prepare is not None:
+            prepare(trainer)
         trainer.fit()
     finally:
         trainer.close()
