@@ -252,6 +252,13 @@ class ParameterServer:
         self.step += 1
         return staleness
 
+    def skip(self, worker: int) -> int:
+        """A push that is not applied (its loss or values were NaN/inf) still counts as a server update, as
+        a skipped step does in the synchronous trainer; returns its staleness."""
+        staleness = self.step - self.last_pull[worker]
+        self.step += 1
+        return staleness
+
     def behind(self, worker: int) -> int:
         """Server updates since `worker`'s last dense refresh."""
         return self.step - self.last_refresh[worker]

@@ -99,6 +99,21 @@ class DivergenceWatch:
         self.best_window_mean = float(state.get("best_window_mean", math.inf))
 
 
+def diverged_error(model_dir: Path, train: TrainConfig, step: int, what: str) -> TrainingDiverged:
+    """The one line a diverged run stops with (both trainers): the step, what was seen, the checkpoint a
+    rerun resumes from."""
+    last = model_dir / "last"
+    resumes = (
+        f"it resumes from {model_dir.name}/{last.resolve().name} with the new value"
+        if last.is_symlink()
+        else "there is no earlier checkpoint: it starts afresh"
+    )
+    return TrainingDiverged(
+        f"step {step}: {what}; the run diverged and nothing of it was saved: lower train.lr (now "
+        f"{train.lr:g}) or raise train.warmup_steps, then rerun ({resumes})"
+    )
+
+
 class DivergenceGuard:
     """One synchronous rank's three guards (docs/reliability.md): bad steps counted and, too many in a row,
     fatal; the loss watch after every step; the weights checked before they are validated or saved.
@@ -163,17 +178,7 @@ class DivergenceGuard:
                 raise self.diverged(step, f"the weights after this step diverged: {reason}")
 
     def diverged(self, step: int, what: str) -> TrainingDiverged:
-        """The one line a diverged run stops with: the step, what was seen, the checkpoint a rerun resumes."""
-        last = self.model_dir / "last"
-        resumes = (
-            f"it resumes from {self.model_dir.name}/{last.resolve().name} with the new value"
-            if last.is_symlink()
-            else "there is no earlier checkpoint: it starts afresh"
-        )
-        return TrainingDiverged(
-            f"step {step}: {what}; the run diverged and nothing of it was saved: lower train.lr (now "
-            f"{self.train.lr:g}) or raise train.warmup_steps, then rerun ({resumes})"
-        )
+        return diverged_error(self.model_dir, self.train, step, what)
 
     @torch.no_grad()
     def _loss_after_update(self) -> float:

@@ -13,6 +13,7 @@ the checkpoint files are the engine's, as in the synchronous trainer.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from nmt.config import ConfigError, save_config
 from nmt.training.cadence import Cadence, after_update
 from nmt.training.dgs.transport import Link, Push, push_from_dict, push_to_dict, selector_for
 from nmt.training.dgs.wire import CODES, KINDS, SAVE, STOP
+from nmt.training.divergence import DivergenceWatch, diverged_error
 from nmt.training.errors import PeerFailure, communication_cause
 from nmt.training.evaluator import Evaluator, ValidationRecord
 from nmt.training.metrics import Limits, MetricsLog, Progress, TokenTotals
@@ -48,6 +50,9 @@ class ServerRun(ValidationRecord):
     epoch: int = 1
     pushes: list[int] = field(default_factory=list)  # pushes applied, per worker
     pulls: int = 0  # replies sent
+    skipped_steps: int = 0  # pushes not applied: their loss or values were NaN/inf
+    bad_in_row: int = 0  # such pushes in a row (train.max_bad_steps stops the run)
+    last_loss_finite: bool = True  # of the last push: the weights it was computed on are trusted
 
 
 class ServerLoop:
@@ -74,6 +79,8 @@ class ServerLoop:
         self.owed: list[int] = []  # workers whose push was applied but not answered yet
         self.incoming: list[Push] = []  # pushes received while quiescing, not applied yet
         self.next_worker = 0  # round-robin pointer (deterministic mode)
+        self.watch = DivergenceWatch(train.divergence_window, train.divergence_margin)
+        self.serving = 0  # the worker whose push this iteration applies (it waits for our reply)
         self.checkpoints = RunCheckpoints(run, self.smoothed)
         model_dir = Path(config.model_dir)
         resume = find_resume_dir(model_dir) if train.resume else None
@@ -121,10 +128,15 @@ class ServerLoop:
         self.owed = []
         while True:
             push = self.incoming.pop(0) if self.incoming else self.receive()
+            self.serving = push.worker
             lr = self.config.train.lr * self.schedule(self.server.step)  # lr of update t uses factor(t - 1)
-            staleness = self.server.apply(push.worker, push.update, lr)
+            bad = not _finite(push)
+            if bad:  # not applied, but counted as a step (as the synchronous trainer's skipped steps)
+                staleness = self.server.skip(push.worker)
+            else:
+                staleness = self.server.apply(push.worker, push.update, lr)
+                self.smoothed.update()
             self.next_worker = (push.worker + 1) % self.workers
-            self.smoothed.update()
             state = self.run_state
             state.wall_s = time.perf_counter() - start
             state.bytes_up += push.update.payload_bytes
@@ -133,6 +145,7 @@ class ServerLoop:
             state.pushes[push.worker] += 1
             interval.add_push(push, staleness, self.server.params.numel())
             step = self.server.step
+            self.guard(push, bad)
 
             def log_row(interval: _Interval = interval, lr: float = lr, step: int = step) -> None:
                 row = interval.row(step, self.run_state, lr, self.workers, self.server)
@@ -157,6 +170,51 @@ class ServerLoop:
         progress.close()
         if valid.test_at_end and self.config.data.test.src:
             self.test(progress)
+
+    # -- divergence guards (docs/reliability.md) -----------------------------------------------------------
+    def guard(self, push: Push, bad: bool) -> None:
+        """After every push, as the synchronous trainer after every step: bad pushes counted and, too many in
+        a row, fatal; the loss watch on the push's loss (that of the model copy the worker computed on)."""
+        state, train = self.run_state, self.config.train
+        state.last_loss_finite = not bad
+        reason = None
+        if bad:
+            state.skipped_steps += 1
+            state.bad_in_row += 1
+            if train.max_bad_steps and state.bad_in_row >= train.max_bad_steps:
+                reason = (
+                    f"the loss or the gradients were NaN/inf in {train.max_bad_steps} consecutive pushes "
+                    f"(train.max_bad_steps)"
+                )
+        else:
+            state.bad_in_row = 0
+            reason = self.watch.observe(push.loss_sum / max(push.tokens, 1))
+        if reason is not None:
+            self.stop_diverged(reason)
+
+    def check_before_keeping(self) -> None:
+        """Before validating or saving: the last push's loss finite, the parameters and smoothed weights
+        finite. (The synchronous trainer also measures the new weights on the last step's batches; the server
+        holds no batches, so a runaway that the loss watch has not seen yet can still be kept here.)"""
+        if not self.run_state.last_loss_finite:
+            self.stop_diverged(
+                "the loss of the last push was NaN/inf, so the weights it was computed on cannot be trusted"
+            )
+        tensors = [("parameters", self.server.params)]
+        if self.smoothed.tensor is not None:
+            tensors.append(("smoothed weights", self.smoothed.tensor))
+        for what, tensor in tensors:
+            if not bool(torch.isfinite(tensor.sum())):
+                self.stop_diverged(f"the {what} hold NaN/inf")
+
+    def stop_diverged(self, what: str) -> None:
+        """End the job at a divergence: take the pushes still in flight (not applied), stop every worker, then
+        raise the one line (nothing of the diverged steps is saved)."""
+        self.quiesce(self.serving)
+        step = self.server.step
+        for w in range(self.workers):
+            self.link.send(w + 1, STOP, [0, step])
+        raise diverged_error(Path(self.config.model_dir), self.config.train, step, what)
 
     # -- messages --------------------------------------------------------------------------------------------
     def receive(self) -> Push:
@@ -241,6 +299,7 @@ class ServerLoop:
     def checkpoint(self, served: int, finished: bool = False) -> Path:
         """Quiesce, then every rank writes its state into one checkpoint directory (atomic); `finished`: the
         run ends here."""
+        self.check_before_keeping()
         self.owed = [served]
         self.quiesce(served)
         step = self.server.step
@@ -254,6 +313,7 @@ class ServerLoop:
             "owed": list(self.owed),
             "incoming": [push_to_dict(p) for p in self.incoming],
             "next_worker": self.next_worker,
+            "divergence": self.watch.state_dict(),
         }
         meta = {
             "best_bleu": self.run_state.best_bleu,
@@ -286,10 +346,12 @@ class ServerLoop:
         self.owed = list(state["owed"])
         self.incoming = [push_from_dict(p, self.setup.device) for p in state["incoming"]]
         self.next_worker = int(state["next_worker"])
+        self.watch.load_state_dict(state.get("divergence", {}))
 
     # -- validation ------------------------------------------------------------------------------------------
     def validate(self, progress: Progress) -> tuple[bool, bool]:
         """Dev loss, BLEU and chrF of the server's (smoothed) parameters; returns (improved, stop early)."""
+        self.check_before_keeping()
         state = self.run_state
         counters = {
             "wall_s": round(state.wall_s, 3),
@@ -367,4 +429,11 @@ class _Interval(TokenTotals):
             "refreshes": server.refreshes,
             "pushes": list(state.pushes),
             "pulls": state.pulls,
+            "skipped_steps": state.skipped_steps,
         }
+
+
+def _finite(push: Push) -> bool:
+    """Whether a push may be applied: its loss (a worker marks a bad step NaN) and its values finite."""
+    values = push.update.values
+    return math.isfinite(push.loss_sum) and (values.numel() == 0 or bool(torch.isfinite(values.sum())))

@@ -7,8 +7,12 @@ waits for a reply, so every worker's state is taken between two of its steps) an
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
+
+import torch
+from torch import Tensor
 
 from compression.dgs import DENSE, PARAMS, SPARSE, SAMomentum, Update, warmup_density
 from nmt.checkpoint import find_resume_dir
@@ -119,6 +123,10 @@ class WorkerLoop:
             )
         grad = flat.grads.mul_(1.0 / max(tokens, 1))  # per-token gradient of this worker's batches
         norm = float(grad.norm())
+        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+            # A bad step (NaN/inf loss, or a gradient whose fp32 norm overflows): the momentum is left as it
+            # was and an empty push with a NaN loss tells the server, which counts it (train.max_bad_steps).
+            return _empty_push(grad), tokens, math.nan, math.nan
         if train.clip_norm > 0 and norm > train.clip_norm:
             grad.mul_(train.clip_norm / (norm + 1e-6))
         if train.weight_decay:
@@ -156,3 +164,9 @@ class WorkerLoop:
         self.batches.load_state_dict(state["data"])
         self.server_step = int(state["server_step"])
         self.awaiting = True  # checkpoints are taken while every worker waits for a reply
+
+
+def _empty_push(like: Tensor) -> Update:
+    """A sparse push of no entries."""
+    values = like.new_zeros(0)
+    return Update(SPARSE, values, torch.zeros(0, dtype=torch.int32, device=like.device), 0)

@@ -55,6 +55,16 @@ def test_staleness_bound_forces_a_dense_refresh():
     assert server.apply(1, push, lr=0.1) == 0 and server.apply(0, push, lr=0.1) == 5  # staleness of pushes
 
 
+def test_a_skipped_push_counts_as_a_server_step_and_changes_nothing_else():
+    server = ParameterServer(torch.arange(10.0), workers=2, max_staleness=100)
+    push = Update(SPARSE, torch.ones(1), torch.tensor([3], dtype=torch.int32))
+    server.apply(0, push, lr=0.5)
+    params, pending = server.params.clone(), server.pending.clone()
+    assert server.skip(1) == 1 and server.step == 2  # staleness as a push of worker 1 would have it
+    assert torch.equal(server.params, params) and torch.equal(server.pending, pending)
+    assert server.apply(1, push, lr=0.5) == 2
+
+
 def test_dense_pull_baselines_keep_no_pending_difference():
     server = ParameterServer(torch.zeros(50), workers=2, max_staleness=1, sparse_pull=False)
     assert server.pending.numel() == 0
