@@ -61,7 +61,17 @@ def _wait(works: list[dist.Work | None]) -> None:
             work.wait()
 
 
-class DenseWire:
+class StatelessWire:
+    """A wire that keeps nothing between syncs: its checkpoint state is empty."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class DenseWire(StatelessWire):
     """fp32 all-reduce of the fragment: plain DiLoCo's mean."""
 
     def start(self, delta: Tensor, bounds: tuple[int, int], ctx: StepContext) -> PendingMean:
@@ -77,12 +87,6 @@ class DenseWire:
         _wait(pending.work)
         start, end = pending.bounds
         mean[start:end] = pending.payload[0].div_(ctx.world_size)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def encode_low_bit(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
@@ -116,7 +120,7 @@ def decode_low_bit(codes: Tensor, scales: Tensor, bits: int, n: int) -> Tensor:
     return (chunks * scales.unsqueeze(1)).view(-1)[:n]
 
 
-class LowBitWire:
+class LowBitWire(StatelessWire):
     """bf16, int8 or int4 codes, all-gathered; each rank decodes and sums in fp32 (module docstring)."""
 
     def __init__(self, bits: int) -> None:
@@ -143,12 +147,6 @@ class LowBitWire:
             scales = pending.payload[1][rank] if len(pending.payload) > 1 else mean.new_zeros(0)
             total += decode_low_bit(pending.payload[0][rank], scales, self.bits, n)
         mean[start:end] = total.div_(ctx.world_size)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class SparseWire:
