@@ -206,10 +206,10 @@ local-updates|all)
       exchange.diloco.overlap_steps=5 exchange.diloco.outer_lr=1 exchange.diloco.outer_momentum=0
     --run diloco-10 exchange.method=diloco exchange.diloco.sync_every=10
     --run diloco-100 exchange.method=diloco exchange.diloco.sync_every=100
-    --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
     --run sparse-50-d0.001-2bit exchange.method=diloco exchange.diloco.sync_every=50
       exchange.diloco.density=0.001 exchange.quantize_bits=2 exchange.threshold=layer
       exchange.diloco.outer_momentum=0 exchange.diloco.outer_lr=1 exchange.position_code=golomb
+    --run diloco-50-m0.5 exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_momentum=0.5
   )
   # DiLoCo's inner optimizer is Adam (the paper's), so the Adam recipe goes first; then the make-train recipe's
   # momentum SGD. LU_FIRST=sgd swaps them.
