@@ -260,6 +260,8 @@ per-step-quality|all)
     --run local_mix-99 "${LM99[@]}" $W $A
     --run local_mix-99-sum "${LM99[@]}" exchange.local_mix.local_mode=sum $W $A
     --run local_mix-99-layer "${LM99[@]}" exchange.threshold=layer $W $A
+    # the global threshold with a per-tensor floor (0.1% of every tensor besides the global top 1%)
+    --run local_mix-99-floor0.001 "${LM99[@]}" exchange.min_tensor_density=0.001 $W $A
     --run local_mix-99-warmup0 "${LM99[@]}" exchange.warmup_steps=0 $A
     --run local_mix-99-warmup500 "${LM99[@]}" exchange.warmup_steps=500 $A
     --run local_mix-99-avg10 "${LM99[@]}" $W exchange.local_mix.average_every=10

@@ -260,6 +260,10 @@ class ExchangeConfig:
     # gradient dropping (Aji & Heafield 2017) and the methods built on it (dropping, local_mix, dgc, dgs)
     drop_ratio: float = 0.99  # fraction of values not sent each step; density = 1 - drop_ratio (dgc, dgs too)
     threshold: str = "global"  # global | layer
+    # with threshold global: each tensor also sends the top min_tensor_density of its own entries (at most the
+    # round's density), so a tensor whose values are small everywhere is not starved by the global threshold;
+    # 0 = off. dropping, local_mix, dgc and diloco's compressed pseudo-gradients
+    min_tensor_density: float = 0.0
     threshold_estimator: str = "sampled"  # sampled | exact
     sample_size: int = 100_000  # values sampled to estimate the threshold (threshold_estimator: sampled)
     capacity_factor: float = 1.2  # a message holds at most capacity_factor x density x n values
@@ -306,6 +310,13 @@ class ExchangeConfig:
             raise ValueError(f"exchange.drop_ratio must be in [0, 1), got {self.drop_ratio}")
         if self.threshold not in ("global", "layer"):
             raise ValueError(f"exchange.threshold must be 'global' or 'layer', got {self.threshold!r}")
+        if not 0.0 <= self.min_tensor_density < 1.0:
+            raise ValueError(f"exchange.min_tensor_density must be in [0, 1), got {self.min_tensor_density}")
+        if self.min_tensor_density > 0 and self.threshold != "global":
+            raise ValueError(
+                "exchange.min_tensor_density is a floor under the global threshold; with exchange.threshold: "
+                "layer every tensor sends its density already: set min_tensor_density: 0 or threshold: global"
+            )
         if self.threshold_estimator not in ("sampled", "exact"):
             raise ValueError(
                 f"exchange.threshold_estimator must be 'sampled' or 'exact', got {self.threshold_estimator!r}"

@@ -69,7 +69,7 @@ class DeepGradientCompression(ExchangeMethod):
 
     name = "dgc"
     section = "dgc"
-    shared_options = (*SPARSE_OPTIONS, "dense_vectors", "position_code")
+    shared_options = (*SPARSE_OPTIONS, "min_tensor_density", "dense_vectors", "position_code")
     supports_buckets = True
     supports_hierarchy = True
 

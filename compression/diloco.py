@@ -73,6 +73,7 @@ class DiLoCo(ExchangeMethod):
     section = "diloco"
     shared_options = (
         "threshold",
+        "min_tensor_density",
         "threshold_estimator",
         "sample_size",
         "capacity_factor",

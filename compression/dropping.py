@@ -163,7 +163,13 @@ class GradientDropping(ExchangeMethod):
     quantize_bits, dense_fallback, sample_seed; overlap with threshold: layer; hierarchy."""
 
     name = "dropping"
-    shared_options = (*SPARSE_OPTIONS, "dense_vectors", "embedding_rows", "position_code")
+    shared_options = (
+        *SPARSE_OPTIONS,
+        "min_tensor_density",
+        "dense_vectors",
+        "embedding_rows",
+        "position_code",
+    )
     supports_buckets = True
     supports_hierarchy = True
 

@@ -5,7 +5,9 @@ how they combine the decoded messages with the local gradient; the sparse round 
 
 A round takes the accumulator `acc` (sparse space, fp32) and a target density d:
     tau   = threshold(|acc|, d)             sampled (default) or exact; global, or one tau per span (layer)
-    cap   = min(n, ceil(capacity_factor * d * n))
+            with a floor f (exchange.min_tensor_density): tau_s = min(tau, tau_s(f)) per span s, so every
+            tensor sends at least its own top f besides what passes the global tau (f <= d)
+    cap   = min(n, ceil(capacity_factor * (d + f) * n))
     S_i   = acc[|acc| >= tau], at most cap entries (the cap largest); acc <- acc - S_i (acc is the residual)
     if quantized: S_i <- Q(S_i); acc[sent] <- S_i - Q(S_i)   (the quantization error stays in the residual)
     all-gather the fixed-capacity messages; the round can then add (scale * sum_j S_j) into a flat buffer,
@@ -145,10 +147,20 @@ class ThresholdSparsifier:
         self._seeded_for_rank = state["seeded_for_rank"]
 
     # -- one round -------------------------------------------------------------------------------------------
+    @property
+    def per_span(self) -> bool:
+        """True when the round selects with one threshold per span (layer, or global with a floor): the
+        message then carries one quantizer group per span."""
+        return self.config.threshold == "layer" or self.config.min_tensor_density > 0
+
+    def floor_density(self, density: float) -> float:
+        """The floor f of a round at `density` (exchange.min_tensor_density, at most the density)."""
+        return min(self.config.min_tensor_density, density)
+
     def wire(self, partition: BufferPartition) -> SparseAllGather:
         """The message format for `partition` (one quantizer group per span with layer thresholds; under
         exchange.overlap a bucket's partition has fewer spans than the whole buffer's: one wire per count)."""
-        groups = max(1, partition.num_segments if self.config.threshold == "layer" else 1)
+        groups = max(1, partition.num_segments if self.per_span else 1)
         if groups not in self._wires:
             self._wires[groups] = SparseAllGather(
                 bits=self.config.quantize_bits, num_groups=groups, position_code=self.config.position_code
@@ -164,17 +176,29 @@ class ThresholdSparsifier:
         """tau (0-dim) or per-span taus [S]; 0 at density 1 (then every nonzero entry passes)."""
         layer = self.config.threshold == "layer"
         exact = self.config.threshold_estimator == "exact"
-        offsets = partition.segment_offsets
         samples = sample_size or self.config.sample_size
         if density >= 1.0:
             return torch.zeros(
-                partition.num_segments if layer else (), dtype=torch.float32, device=acc.device
+                partition.num_segments if self.per_span else (), dtype=torch.float32, device=acc.device
             )
-        if not layer:
-            if exact:
-                return exact_threshold(acc, density)
-            return sampled_threshold(acc, density, samples, self.generator)
-        if exact:
+        if layer:
+            return self._span_thresholds(acc, density, partition, samples)
+        tau = (
+            exact_threshold(acc, density)
+            if exact
+            else sampled_threshold(acc, density, samples, self.generator)
+        )
+        if self.config.min_tensor_density > 0:
+            floor = self._span_thresholds(acc, self.floor_density(density), partition, samples)
+            return torch.minimum(floor, tau.to(floor.dtype))
+        return tau
+
+    def _span_thresholds(
+        self, acc: Tensor, density: float, partition: BufferPartition, samples: int
+    ) -> Tensor:
+        """One tau per span keeping `density` of that span's entries, [S] float32."""
+        offsets = partition.segment_offsets
+        if self.config.threshold_estimator == "exact":
             taus = [exact_threshold(acc[int(a) : int(b)], density) for a, b in zip(offsets[:-1], offsets[1:])]
             return torch.stack(taus).to(torch.float32)
         return segmented_sampled_threshold(acc, offsets, density, samples, self.generator)
@@ -203,12 +227,12 @@ class ThresholdSparsifier:
             )
             return PendingRound(rnd)
         wire = self.wire(partition)
-        cap = self.capacity(density, n)
+        cap = self.capacity(density + self.floor_density(density), n)
         rnd.capacity = cap
         if self.config.dense_fallback and wire.payload_bytes(cap, domain=n) >= n * FP32_BYTES:
             return self._start_dense(acc, rnd, ctx)
 
-        layer = self.config.threshold == "layer"
+        layer = self.per_span
         tau = self.threshold(acc, density, partition, sample_size)
         msg = sparse_gather(acc, tau, cap, partition.segment_offsets if layer else None)
         rnd.count, rnd.selected = msg.count, msg.selected

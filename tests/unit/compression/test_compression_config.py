@@ -36,6 +36,7 @@ READERS = {key: {m for m, cls in METHOD_CLASSES.items() if key in reads(cls)} fo
 EXAMPLES: dict[str, object] = {
     "drop_ratio": 0.9,
     "threshold": "layer",
+    "min_tensor_density": 0.001,
     "threshold_estimator": "exact",
     "sample_size": 10,
     "capacity_factor": 2.0,
@@ -237,6 +238,7 @@ def test_shared_options_table() -> None:
     diloco = {key for key, methods in readers.items() if "diloco" in methods}
     assert diloco == {
         "threshold",
+        "min_tensor_density",
         "threshold_estimator",
         "sample_size",
         "capacity_factor",
@@ -251,6 +253,7 @@ def test_shared_options_table() -> None:
     assert all({"dropping", "local_mix"} <= methods for key, methods in readers.items() if key not in overlap)
     assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
+    assert readers["min_tensor_density"] == {"dropping", "local_mix", "dgc", "diloco"}
     assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc", "diloco"}
     assert readers["position_code"] == {"dropping", "local_mix", "dgc", "diloco"}
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]

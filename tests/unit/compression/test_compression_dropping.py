@@ -11,6 +11,7 @@ from compression import ExchangeMethod, ParamSpan, StepContext, build_exchange
 from compression.config import DgcOptions, ExchangeConfig
 from compression.dense import DenseAllReduce
 from compression.dropping import GradientDropping, warmup_density
+from compression.registry import check_exchange
 
 from gloo_harness import run_ranks
 
@@ -74,11 +75,17 @@ def test_warmup_density_follows_aji_schedule() -> None:
 
 
 @pytest.mark.parametrize("bits", [0, 1, 2])
-@pytest.mark.parametrize("threshold", ["global", "layer"])
-def test_residual_conserves_every_gradient(bits: int, threshold: str) -> None:
+@pytest.mark.parametrize(("threshold", "floor"), [("global", 0.0), ("layer", 0.0), ("global", 0.02)])
+def test_residual_conserves_every_gradient(bits: int, threshold: str, floor: float) -> None:
     """Per rank: sum of what was sent + residual == sum of gradients (error feedback loses nothing)."""
     ex = GradientDropping(
-        ExchangeConfig(method="dropping", drop_ratio=0.9, quantize_bits=bits, threshold=threshold)
+        ExchangeConfig(
+            method="dropping",
+            drop_ratio=0.9,
+            quantize_bits=bits,
+            threshold=threshold,
+            min_tensor_density=floor,
+        )
     )
     sent, total = torch.zeros(N), torch.zeros(N)
     for t in range(6):
@@ -93,6 +100,44 @@ def test_residual_conserves_every_gradient(bits: int, threshold: str) -> None:
     lossless = torch.ones(N, dtype=torch.bool)
     lossless[SPARSE] = False
     torch.testing.assert_close(sent[lossless], total[lossless], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "sampled"])
+def test_a_tensor_floor_sends_a_small_tensor_the_global_threshold_starves(estimator: str) -> None:
+    """Global threshold: a tensor 100x smaller than the rest sends nothing; with min_tensor_density f it
+    sends its own top f (ceil(f n) entries, exactly its largest), and the large tensor still sends about d."""
+    layout = [ParamSpan("big", 0, (50, 40), "matrix"), ParamSpan("small", 2000, (20, 50), "matrix")]
+    g = torch.randn(3000, generator=torch.Generator().manual_seed(7))
+    g[2000:] *= 0.01
+
+    def sent(floor: float) -> torch.Tensor:
+        cfg = ExchangeConfig(
+            method="dropping", drop_ratio=0.95, threshold_estimator=estimator, min_tensor_density=floor
+        )
+        out = g.clone()
+        GradientDropping(cfg).reduce(out, ctx(0, layout=layout))
+        return out  # P = 1: what this rank sent
+
+    without, with_floor = sent(0.0), sent(0.01)
+    assert without[2000:].count_nonzero() == 0
+    small = with_floor[2000:]
+    kept = small.nonzero().flatten()
+    assert kept.numel() == 10  # ceil(0.01 * 1000)
+    assert set(kept.tolist()) == set(g[2000:].abs().topk(10).indices.tolist())
+    torch.testing.assert_close(small[kept], g[2000:][kept], atol=0, rtol=0)
+    assert abs(int(with_floor[:2000].count_nonzero()) - 0.05 * 3000) <= 0.2 * 0.05 * 3000
+
+
+def test_a_tensor_floor_needs_the_global_threshold_and_a_method_that_reads_it() -> None:
+    with pytest.raises(
+        ValueError, match="^exchange.min_tensor_density is a floor under the global threshold"
+    ):
+        ExchangeConfig(method="dropping", threshold="layer", min_tensor_density=0.001).validate()
+    with pytest.raises(ValueError, match=r"^exchange.min_tensor_density must be in \[0, 1\), got 1.0$"):
+        ExchangeConfig(method="dropping", min_tensor_density=1.0).validate()
+    with pytest.raises(ValueError, match="exchange.min_tensor_density"):
+        check_exchange(ExchangeConfig(method="dgs", min_tensor_density=0.001))
+    check_exchange(ExchangeConfig(method="local_mix", min_tensor_density=0.001))
 
 
 def test_overflow_stays_in_the_residual() -> None:
