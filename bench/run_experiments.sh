@@ -262,6 +262,8 @@ per-step-quality|all)
     --run local_mix-99-layer "${LM99[@]}" exchange.threshold=layer $W $A
     # the global threshold with a per-tensor floor (0.1% of every tensor besides the global top 1%)
     --run local_mix-99-floor0.001 "${LM99[@]}" exchange.min_tensor_density=0.001 $W $A
+    # the rank's own dense term at half weight (1 = the paper's local_mix, 0 = dropping)
+    --run local_mix-99-w0.5 "${LM99[@]}" exchange.local_mix.local_weight=0.5 $W $A
     --run local_mix-99-warmup0 "${LM99[@]}" exchange.warmup_steps=0 $A
     --run local_mix-99-warmup500 "${LM99[@]}" exchange.warmup_steps=500 $A
     --run local_mix-99-avg10 "${LM99[@]}" $W exchange.local_mix.average_every=10

@@ -80,11 +80,19 @@ class LocalMixOptions:
     # local_mix (Aji, Heafield & Bogoychev 2019)
     local_mode: str = "replace"  # sum | replace
     average_every: int = 500  # parameters are averaged across workers every this many optimizer steps
+    # weight w of the rank's own dense term: replace G = (w (L - S_own) + sum S) / P,
+    # sum G = (w L + sum S) / P; 1 = the paper's, 0 = plain dropping
+    local_weight: float = 1.0
 
     def validate(self) -> None:
         if self.local_mode not in ("sum", "replace"):
             raise ValueError(
                 f"exchange.local_mix.local_mode must be 'sum' or 'replace', got {self.local_mode!r}"
+            )
+        if not 0.0 <= self.local_weight <= 1.0:
+            raise ValueError(
+                f"exchange.local_mix.local_weight must be in [0, 1] (1 = the paper's, 0 = dropping), "
+                f"got {self.local_weight}"
             )
         if self.average_every < 1:
             raise ValueError(f"exchange.local_mix.average_every must be >= 1, got {self.average_every}")

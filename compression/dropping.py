@@ -128,15 +128,19 @@ def exchange_stats(
 
 
 def finish_with_residual(
-    state: ResidualState, flat_grad: Tensor, ctx: StepContext, local_mode: str | None
+    state: ResidualState,
+    flat_grad: Tensor,
+    ctx: StepContext,
+    local_mode: str | None,
+    local_weight: float = 1.0,
 ) -> ExchangeStats:
     """The shared finish of `dropping` (local_mode None) and `local_mix` (local_mode "sum" | "replace"): the
     lossless parts, then the sparse rounds started bucket by bucket.
 
-    Sparse part of the result, with L_i = this rank's local gradient there:
+    Sparse part of the result, with L_i = this rank's local gradient there and w = local_weight:
         None:    G_i = (1/P) sum_j S_j
-        sum:     G_i = (1/P) (L_i + sum_j S_j)
-        replace: G_i = (1/P) (L_i - S_i + sum_j S_j) = (1/P) (L_i + sum_{j != i} S_j)
+        sum:     G_i = (1/P) (w L_i + sum_j S_j)
+        replace: G_i = (1/P) (w (L_i - S_i) + sum_j S_j) = (1/P) (w L_i + sum_{j != i} S_j + (1 - w) S_i)
     """
     part = state.prepare(flat_grad, ctx)
     p = ctx.world_size
@@ -147,9 +151,12 @@ def finish_with_residual(
     if local_mode is None:
         part.sparse.fill(flat_grad, 0.0)
     else:
-        part.sparse.scale(flat_grad, 1.0 / p)
+        part.sparse.scale(flat_grad, local_weight / p)
+    replace = local_mode == "replace"
     for rnd in rounds:
-        rnd.add_into(flat_grad, 1.0 / p, exclude_own=local_mode == "replace")
+        rnd.add_into(flat_grad, 1.0 / p, exclude_own=replace)
+        if replace and local_weight != 1.0:
+            rnd.add_own_into(flat_grad, (1.0 - local_weight) / p)
     state.step += 1
     rnd = merge_rounds(rounds, part)
     stats = exchange_stats(rnd, flat_grad.numel(), bytes_dense, bytes_rows, values_rows, part.dense.numel)

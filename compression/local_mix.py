@@ -8,6 +8,10 @@ apply different updates and drift, so parameters are averaged every `exchange.lo
 Per rank i, on the sparse part (L_i = local summed gradient, S_j = rank j's message, same round as dropping):
     replace (default): G_i = (1/P) (L_i - S_i + sum_j S_j) = (1/P) (L_i + sum_{j != i} S_j)
     sum:               G_i = (1/P) (L_i + sum_j S_j)       (own large entries counted twice, as in the code)
+With exchange.local_mix.local_weight w < 1 the rank's own dense term is weighted: replace gives
+(1/P) (w (L_i - S_i) + sum_j S_j), sum (1/P) (w L_i + sum_j S_j); w = 0 is plain dropping (a remedy to
+measure, issue 27: the local term is one rank's noisy gradient at full weight beside the others' sparse
+means).
 Scaling: the authors sum over nodes (Marian ce-sum); we divide by P so that at density 1, "replace" is exactly
 the dense average (1/P) sum_j L_j. Dense vectors and embedding rows travel losslessly (G = rank average).
 Residual: e_i = L_i + e_i - S_i as in dropping; own entries not sent are applied locally now *and* stay in
@@ -35,7 +39,7 @@ from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
 
 class LocalMix(ExchangeMethod):
     """Global sparse + local dense gradients with periodic parameter averaging. Options: those of dropping
-    (exchange.*), plus exchange.local_mix.local_mode (sum | replace) and exchange.local_mix.average_every."""
+    (exchange.*), plus exchange.local_mix.local_mode (sum | replace), local_weight and average_every."""
 
     name = "local_mix"
     section = "local_mix"
@@ -57,7 +61,10 @@ class LocalMix(ExchangeMethod):
         self.state.start(flat_grad, bounds, ctx)
 
     def finish(self, flat_grad: Tensor, ctx: StepContext) -> ExchangeStats:
-        return finish_with_residual(self.state, flat_grad, ctx, local_mode=self.config.local_mix.local_mode)
+        options = self.config.local_mix
+        return finish_with_residual(
+            self.state, flat_grad, ctx, local_mode=options.local_mode, local_weight=options.local_weight
+        )
 
     def drop(self) -> None:
         self.state.buckets.drop()

@@ -77,6 +77,12 @@ class GatheredMessages:
     counts: list[int]
     payload: list[int] = field(default_factory=list)  # bytes each rank's message carried
 
+    def of_rank(self, rank: int) -> tuple[Tensor, Tensor]:
+        """Indices and values of `rank`'s message."""
+        start = sum(self.counts[:rank])
+        end = start + self.counts[rank]
+        return self.indices[start:end], self.values[start:end]
+
     def without_rank(self, rank: int) -> tuple[Tensor, Tensor]:
         """Indices and values of every rank except `rank`."""
         start = sum(self.counts[:rank])

@@ -80,6 +80,17 @@ class SparseRound:
         if indices.numel():
             scatter_add_decode(flat, indices, values, scale)
 
+    def add_own_into(self, flat: Tensor, scale: float) -> None:
+        """flat[sparse part] += scale * S_i, this rank's own message as the others decode it."""
+        if self.dense:
+            assert self.own_dense is not None
+            self.partition.sparse.add_to(flat, self.own_dense, alpha=scale)
+            return
+        assert self.gathered is not None
+        indices, values = self.gathered.of_rank(self.rank)
+        if indices.numel():
+            scatter_add_decode(flat, indices, values, scale)
+
     def zero_sent(self, buffer: Tensor) -> None:
         """Zero the sparse-space entries of `buffer` that this rank sent (DGC momentum factor masking)."""
         if self.dense:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from compression import ExchangeMethod, ParamSpan, StepContext, build_exchange
-from compression.config import DgcOptions, ExchangeConfig
+from compression.config import DgcOptions, ExchangeConfig, LocalMixOptions
 from compression.dense import DenseAllReduce
 from compression.dropping import GradientDropping, warmup_density
 from compression.registry import check_exchange
@@ -284,8 +284,34 @@ def _checkpoint(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {"a": out_a, "b": out_b}
 
 
+def _local_weights(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """One step of dropping and of local_mix at several local weights, from the same gradient and state."""
+    g = gradient(5, rank)
+    out = {}
+    runs = {
+        "dropping": ExchangeConfig(method="dropping", drop_ratio=0.9, quantize_bits=2),
+        **{
+            f"{mode}-{w}": ExchangeConfig(
+                method="local_mix",
+                drop_ratio=0.9,
+                quantize_bits=2,
+                local_mix=LocalMixOptions(local_mode=mode, local_weight=w),
+            )
+            for mode in ("replace", "sum")
+            for w in (0.0, 0.5, 1.0)
+        },
+    }
+    for name, cfg in runs.items():
+        got = g.clone()
+        build_exchange(cfg).reduce(got, ctx(0, world, rank, touched(rank)))
+        out[name] = got
+    out["local"] = g
+    return out
+
+
 def _all_scenarios(rank: int, world: int) -> dict:
     return {
+        "local_weights": _local_weights(rank, world),
         "equivalence": _equivalence(rank, world),
         "conservation": _conservation(rank, world),
         "rows": _rows(rank, world),
@@ -324,3 +350,21 @@ def test_embedding_rows_decode_to_the_dense_average(two_ranks: list[dict]) -> No
 def test_checkpoint_round_trip_on_two_ranks(two_ranks: list[dict]) -> None:
     for result in two_ranks:
         torch.testing.assert_close(result["checkpoint"]["a"], result["checkpoint"]["b"], atol=0, rtol=0)
+
+
+def test_local_weight_runs_from_dropping_to_the_papers_local_mix(two_ranks: list[dict]) -> None:
+    """w = 0 is dropping (both modes), w = 1 the paper's, and G is linear in w in between: on the sparse part,
+    replace's G(1) - G(0) = (L_i - S_i) / P and sum's = L_i / P (with L_i this rank's gradient)."""
+    for result in two_ranks:
+        got = result["local_weights"]
+        for mode in ("replace", "sum"):
+            torch.testing.assert_close(got[f"{mode}-0.0"], got["dropping"], atol=1e-7, rtol=0)
+            half = (got[f"{mode}-0.0"] + got[f"{mode}-1.0"]) / 2
+            torch.testing.assert_close(got[f"{mode}-0.5"], half, atol=1e-6, rtol=0)
+        local = got["local"][SPARSE] / 2
+        sum_gap = got["sum-1.0"][SPARSE] - got["sum-0.0"][SPARSE]
+        torch.testing.assert_close(sum_gap, local, atol=1e-6, rtol=0)
+        own_sent = got["sum-1.0"][SPARSE] - got["replace-1.0"][SPARSE]  # S_i / P
+        assert own_sent.count_nonzero() > 0
+        replace_gap = got["replace-1.0"][SPARSE] - got["replace-0.0"][SPARSE]
+        torch.testing.assert_close(replace_gap, local - own_sent, atol=1e-6, rtol=0)
