@@ -20,10 +20,12 @@ METHODS = {
         "exchange.local_mix.local_mode=replace",
         "exchange.local_mix.average_every=7",
     ],
-    "local_mix-sum": [
+    "local_mix-sum-floor-weighted": [
         "exchange.method=local_mix",
         "exchange.local_mix.local_mode=sum",
         "exchange.local_mix.average_every=7",
+        "exchange.local_mix.local_weight=0.5",
+        "exchange.min_tensor_density=0.002",
     ],
     "dgc": ["exchange.method=dgc", "train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0"],
     "sbc": ["exchange.method=sbc", "exchange.sbc.delay=3", "exchange.sbc.density=0.01"],
