@@ -120,12 +120,21 @@ def find_nmt_train(explicit: str | None) -> str:
     return found
 
 
+def _recorded_returncode(model_dir: Path) -> int | None:
+    """The exit status a finished run's record holds (its report's exit column), if any."""
+    try:
+        return json.loads((model_dir / RUN_FILE).read_text(encoding="utf-8")).get("returncode")
+    except (OSError, ValueError):
+        return None
+
+
 def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     """Run nmt-train for one method, teeing its output into <model_dir>/compare.log."""
     resume = False
     if run.model_dir.exists():
         if args.skip_existing and _finished(run.model_dir):
             print(f"[{run.name}] {run.model_dir} finished: skipped (--skip-existing)", file=sys.stderr)
+            run.returncode = _recorded_returncode(run.model_dir)
             return
         if args.skip_existing:  # killed before its end: nmt-train resumes it from its last checkpoint
             print(f"[{run.name}] {run.model_dir} unfinished: resumed", file=sys.stderr)
