@@ -247,6 +247,21 @@ local-updates-workers|all)
       exchange.diloco.outer_momentum=0 \
     --run local_sgd-10 exchange.method=local_sgd exchange.local_sgd.sync_every=10
   ;;&
+local-updates-workers-rerun)
+  # The same 4-worker settings on another machine: dense and the averaging outer step side by side, so the pair
+  # compares on one CPU (the runs above are not bit-identical across CPU models). 2026-12-04: an Intel Xeon
+  # (AVX512-BF16, AMX) into models/local-updates-adam-4w-xeon; LU4_RERUN names the directory.
+  rerun=${LU4_RERUN:-local-updates-adam-4w-xeon}
+  $PY bench/compare_methods.py --workers 4 --allow-oversubscribe --skip-existing \
+    --config recipes/bible-es-en-adam.yml \
+    --runs-dir "models/$rerun" --archive "docs/runs/$rerun" --out "docs/results-$rerun.md" --plots "docs/plots/$rerun" \
+    --common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500 \
+    --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model \
+    --common data.batch_tokens=375 \
+    --run dense exchange.method=dense \
+    --run diloco-50-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_lr=1 \
+      exchange.diloco.outer_momentum=0
+  ;;&
 per-step-quality|all)
   # Issue 27: where sparse exchange loses per step, at equal steps (2,000) over loopback, 2 workers, the
   # make-train recipe (momentum SGD) and its Adam twin. The dropping-family runs go through
