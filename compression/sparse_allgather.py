@@ -77,16 +77,19 @@ class GatheredMessages:
     counts: list[int]
     payload: list[int] = field(default_factory=list)  # bytes each rank's message carried
 
+    def _bounds(self, rank: int) -> tuple[int, int]:
+        """Where `rank`'s entries lie in the concatenation."""
+        start = sum(self.counts[:rank])
+        return start, start + self.counts[rank]
+
     def of_rank(self, rank: int) -> tuple[Tensor, Tensor]:
         """Indices and values of `rank`'s message."""
-        start = sum(self.counts[:rank])
-        end = start + self.counts[rank]
+        start, end = self._bounds(rank)
         return self.indices[start:end], self.values[start:end]
 
     def without_rank(self, rank: int) -> tuple[Tensor, Tensor]:
         """Indices and values of every rank except `rank`."""
-        start = sum(self.counts[:rank])
-        end = start + self.counts[rank]
+        start, end = self._bounds(rank)
         return (
             torch.cat([self.indices[:start], self.indices[end:]]),
             torch.cat([self.values[:start], self.values[end:]]),
