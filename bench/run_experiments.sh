@@ -70,6 +70,12 @@ sparse_overlap_at_100mbit() {
     --json "docs/netbed-$out.jsonl" --out "docs/netbed-$out.md"
 }
 
+# The 4-worker local-update runs (local-updates-workers and its rerun): the 2-worker settings at half the
+# per-worker batch, so a step holds the same tokens.
+LU4=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
+     --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model
+     --common data.batch_tokens=375)
+
 case "${1:-all}" in
 transformer|all)
   $PY bench/compare_methods.py --config recipes/bible-es-en-adam.yml --workers 2 --skip-existing \
@@ -231,13 +237,10 @@ local-updates-workers|all)
   # Issue 26: quality against the number of workers. 4 workers with half the per-worker batch (375 tokens)
   # against the 2-worker runs above (750): the same tokens per step and the same steps, split over twice the
   # replicas (where DiLoCo is reported to weaken). Adam recipe; 4 processes on 2 cores (time is not the point).
-  LU=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
-      --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model
-      --common data.batch_tokens=375)
   $PY bench/compare_methods.py --workers 4 --allow-oversubscribe --skip-existing \
     --config recipes/bible-es-en-adam.yml \
     --runs-dir models/local-updates-adam-4w --archive docs/runs/local-updates-adam-4w \
-    --out docs/results-local-updates-adam-4w.md --plots docs/plots/local-updates-adam-4w "${LU[@]}" \
+    --out docs/results-local-updates-adam-4w.md --plots docs/plots/local-updates-adam-4w "${LU4[@]}" \
     --run dense exchange.method=dense \
     --run diloco-50 exchange.method=diloco exchange.diloco.sync_every=50 \
     --run sparse-50-d0.01-2bit exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.density=0.01 \
@@ -255,10 +258,7 @@ local-updates-workers-rerun)
   $PY bench/compare_methods.py --workers 4 --allow-oversubscribe --skip-existing \
     --config recipes/bible-es-en-adam.yml \
     --runs-dir "models/$rerun" --archive "docs/runs/$rerun" --out "docs/results-$rerun.md" --plots "docs/plots/$rerun" \
-    --common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500 \
-    --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model \
-    --common data.batch_tokens=375 \
-    --run dense exchange.method=dense \
+    "${LU4[@]}" --run dense exchange.method=dense \
     --run diloco-50-avg exchange.method=diloco exchange.diloco.sync_every=50 exchange.diloco.outer_lr=1 \
       exchange.diloco.outer_momentum=0
   ;;&
