@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -66,6 +67,7 @@ class RunSummary:
     rows: list[dict[str, Any]] = field(default_factory=list)
     n_params: int | None = None
     returncode: int | None = None
+    cpu: str | None = None  # the machine the run trained on (None in records older than the field)
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.rows if r.get("kind") == kind]
@@ -154,7 +156,14 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     cmd += args.common + run.overrides
     (run.model_dir / RUN_FILE).write_text(
         json.dumps(
-            {"name": run.name, "overrides": run.overrides, "common": args.common, "command": cmd}, indent=1
+            {
+                "name": run.name,
+                "overrides": run.overrides,
+                "common": args.common,
+                "command": cmd,
+                "cpu": cpu_model(),
+            },
+            indent=1,
         )
     )
     print(f"[{run.name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
@@ -215,6 +224,20 @@ def _finished(model_dir: Path) -> bool:
 # ------------------------------------------------------------------------------------------------- reading
 
 
+def cpu_model() -> str:
+    """The CPU's name and native bf16 flags: the same run differs across CPU models (their bf16 kernels)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in fields.get("flags", "").split()]
+    return f"{name} ({', '.join(native)})" if native else name
+
+
 def load(run: RunSummary) -> RunSummary:
     metrics = run.model_dir / "metrics.jsonl"
     if metrics.exists():
@@ -223,6 +246,10 @@ def load(run: RunSummary) -> RunSummary:
                 run.rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a run killed mid-line
+    try:
+        run.cpu = json.loads((run.model_dir / RUN_FILE).read_text(encoding="utf-8")).get("cpu")
+    except (OSError, ValueError):
+        pass
     log = run.model_dir / LOG_FILE
     if log.exists():
         match = PARAMS_LINE.search(log.read_text(encoding="utf-8", errors="replace"))
@@ -262,8 +289,8 @@ def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
     lines = [
         "| run | overrides | steps | final dev loss | final dev BLEU | best dev BLEU "
         "| dev BLEU by validation | test BLEU | final dev chrF | bytes/step | bytes/sync "
-        "| total sent per rank | compression vs dense fp32 | wall (s) | exit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| total sent per rank | compression vs dense fp32 | wall (s) | exit | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         bleu = run.valid_bleu
@@ -283,7 +310,7 @@ def table(runs: list[RunSummary], n_params: int | None) -> list[str]:
             f"| {fmt(test_bleu, '.2f')} | {fmt(final.get('chrf'), '.2f')} "
             f"| {human_bytes(bps)} | {human_bytes(run.bytes_per_sync)} | {human_bytes(run.total_bytes)} "
             f"| {fmt(ratio, '.1f')}{'x' if ratio else ''} | {fmt(run.wall_s, '.0f')} "
-            f"| {'–' if run.returncode is None else run.returncode} |"
+            f"| {'–' if run.returncode is None else run.returncode} | {run.cpu or '–'} |"
         )
     return lines
 

@@ -14,6 +14,8 @@ COMMON=(--common "train.max_wall_s=0" --common "train.max_steps=$STEPS" --common
 # averaging every 100 steps: its other runs drop those options (R), which no other method reads.
 W=exchange.warmup_steps=50
 A=exchange.local_mix.average_every=100
+# local_mix's replace, the default until issue 27 (sum since): the runs behind earlier figures pin it
+REPLACE=exchange.local_mix.local_mode=replace
 R='exchange.local_mix={}'
 DGC=(exchange.method=dgc exchange.drop_ratio=0.99 train.optimizer=sgd train.lr=0.3 train.clip_norm=0
      exchange.dgc.local_clip_norm=1.0)
@@ -47,7 +49,7 @@ NETBED_METHODS=(
   --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 $W
   --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 $W
   --run dropping-99-2bit exchange.method=dropping exchange.quantize_bits=2 $W
-  --run local_mix-replace exchange.method=local_mix $W $A
+  --run local_mix-replace exchange.method=local_mix $REPLACE $W $A
   --run dgc exchange.method=dgc train.optimizer=sgd train.lr=0.3 train.clip_norm=0 $W
 )
 RNN_NETBED_METHODS=(
@@ -160,7 +162,7 @@ overlap|all)
 overlap-sparse|all)
   # exchange.overlap for local_mix 99% with layer thresholds: step time at 100 Mbit/s, 2 bed hosts, in one run
   sparse_overlap_at_100mbit overlap-sparse local_mix \
-    exchange.method=local_mix exchange.threshold=layer exchange.warmup_steps=0
+    exchange.method=local_mix $REPLACE exchange.threshold=layer exchange.warmup_steps=0
   ;;&
 overlap-dgc|all)
   # the same for DGC 99% (no local clipping: it needs the whole gradient, so overlap refuses it)
@@ -174,7 +176,7 @@ netbed-sparse|all)
   $PY bench/netbed_train.py --config recipes/bible-es-en-adam.yml --hosts 2 4 --bandwidth 100mbit 1gbit --steps 15 \
     --vocab models/time-to-bleu/spm.model --common train.threads=1 data.batch_tokens=1500 exchange.warmup_steps=0 \
     --run dropping-99 exchange.method=dropping --run dropping-99.9 exchange.method=dropping exchange.drop_ratio=0.999 \
-    --run local_mix-99 exchange.method=local_mix \
+    --run local_mix-99 exchange.method=local_mix $REPLACE \
     --json docs/netbed-train-sparse.jsonl --out docs/netbed-train-sparse.md
   ;;&
 netbed-hierarchy|all)
@@ -266,39 +268,60 @@ per-step-quality|all)
   # Issue 27: where sparse exchange loses per step, at equal steps (2,000) over loopback, 2 workers, the
   # make-train recipe (momentum SGD) and its Adam twin. The dropping-family runs go through
   # bench/drop_anatomy.py (nmt-train's trainer, every round watched: MODEL_DIR/anatomy.jsonl, per tensor);
-  # dense and DGC through nmt-train. Resumable (--skip-existing, records archived in docs/runs/).
+  # dense, DGC and the plain variants through nmt-train. Resumable (--skip-existing, records archived in
+  # docs/runs/). The first dense, local_mix-99 and floor runs (2026-12-04) ran on an Intel Xeon: their records
+  # are docs/runs/per-step-quality/bible-es-en/*-xeon; the grid reruns them on the CPU it finds.
   PQ=(--common train.max_wall_s=0 --common "train.max_steps=${PQ_STEPS:-2000}" --common valid.every=500
       --common train.progress=false --common data.vocab.model=models/bible-es-en/spm.model)
   LM99=(exchange.method=local_mix exchange.drop_ratio=0.99)
+  # the variants whose question is their dev loss (plain nmt-train), most telling first
+  PQ_VARIANTS=(
+    # the two remedies that helped alone (the longer warm-up, the summed local term), together; then at 99.9%
+    --run local_mix-99-warmup500-sum "${LM99[@]}" exchange.warmup_steps=500 exchange.local_mix.local_mode=sum $A
+    --run local_mix-99.9-warmup500-sum exchange.method=local_mix exchange.drop_ratio=0.999 exchange.warmup_steps=500
+      exchange.local_mix.local_mode=sum $A
+    --run local_mix-99-avg10 "${LM99[@]}" $REPLACE $W exchange.local_mix.average_every=10
+    --run local_mix-99-warmup500 "${LM99[@]}" $REPLACE exchange.warmup_steps=500 $A
+    # the rank's own dense term at half weight (1 = the paper's local_mix, 0 = dropping)
+    --run local_mix-99-w0.5 "${LM99[@]}" $REPLACE exchange.local_mix.local_weight=0.5 $W $A
+    --run local_mix-99-sum "${LM99[@]}" exchange.local_mix.local_mode=sum $W $A
+    --run local_mix-99-warmup0 "${LM99[@]}" $REPLACE exchange.warmup_steps=0 $A
+    --run local_mix-99-avg1000 "${LM99[@]}" $REPLACE $W exchange.local_mix.average_every=1000
+  )
+  # the runs whose per-tensor anatomy answers where the withheld mass sits (after local_mix-99, which
+  # runs first with dense: the pair every other row is read against)
   PQ_WATCHED=(
     --run dropping-99 exchange.method=dropping exchange.drop_ratio=0.99 $W
-    --run local_mix-99 "${LM99[@]}" $W $A
-    --run local_mix-99-sum "${LM99[@]}" exchange.local_mix.local_mode=sum $W $A
-    --run local_mix-99-layer "${LM99[@]}" exchange.threshold=layer $W $A
+    --run local_mix-99.9 exchange.method=local_mix exchange.drop_ratio=0.999 $REPLACE $W $A
+    --run local_mix-99-layer "${LM99[@]}" $REPLACE exchange.threshold=layer $W $A
     # the global threshold with a per-tensor floor (0.1% of every tensor besides the global top 1%)
-    --run local_mix-99-floor0.001 "${LM99[@]}" exchange.min_tensor_density=0.001 $W $A
-    # the rank's own dense term at half weight (1 = the paper's local_mix, 0 = dropping)
-    --run local_mix-99-w0.5 "${LM99[@]}" exchange.local_mix.local_weight=0.5 $W $A
-    --run local_mix-99-warmup0 "${LM99[@]}" exchange.warmup_steps=0 $A
-    --run local_mix-99-warmup500 "${LM99[@]}" exchange.warmup_steps=500 $A
-    --run local_mix-99-avg10 "${LM99[@]}" $W exchange.local_mix.average_every=10
-    --run local_mix-99-avg1000 "${LM99[@]}" $W exchange.local_mix.average_every=1000
-    --run local_mix-99.9 exchange.method=local_mix exchange.drop_ratio=0.999 $W $A
+    --run local_mix-99-floor0.001 "${LM99[@]}" $REPLACE exchange.min_tensor_density=0.001 $W $A
   )
-  for recipe in bible-es-en bible-es-en-adam; do
+  # PQ_RECIPES picks the recipes (a session with time for a few runs starts the Adam pair first)
+  for recipe in ${PQ_RECIPES:-bible-es-en bible-es-en-adam}; do
     where=(--runs-dir "models/per-step-quality/$recipe" --archive "docs/runs/per-step-quality/$recipe"
            --plots "docs/plots/per-step-quality/$recipe")
-    baselines=(--run dense exchange.method=dense)
-    if [ $recipe = bible-es-en ]; then baselines+=(--run dgc-99 "${DGC[@]}" $W); fi  # DGC is SGD's
-    $PY bench/compare_methods.py --workers 2 --skip-existing --config "recipes/$recipe.yml" "${where[@]}" \
-      --out "models/per-step-quality/$recipe-baselines.md" "${PQ[@]}" "${baselines[@]}"
-    $PY bench/compare_methods.py --workers 2 --skip-existing --config "recipes/$recipe.yml" "${where[@]}" \
-      --nmt-train "$PY bench/drop_anatomy.py --every 100" \
-      --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
-    # one report over every run of the recipe; the per-tensor tables of the watched runs
-    $PY bench/compare_methods.py --report-only "${where[@]}" --out "docs/results-per-step-quality-$recipe.md"
-    $PY bench/drop_anatomy.py --report "models/per-step-quality/$recipe"/{dropping,local_mix}* \
-      --out "docs/results-drop-anatomy-$recipe.md"
+    plain=("$PY" bench/compare_methods.py --workers 2 --skip-existing --config "recipes/$recipe.yml"
+           "${where[@]}")
+    watched=("${plain[@]}" --nmt-train "$PY bench/drop_anatomy.py --every 100")
+    "${plain[@]}" --out "models/per-step-quality/$recipe-dense.md" "${PQ[@]}" \
+      --run dense exchange.method=dense
+    "${watched[@]}" --out "models/per-step-quality/$recipe-local_mix.md" "${PQ[@]}" \
+      --run local_mix-99 "${LM99[@]}" $REPLACE $W $A
+    "${plain[@]}" --out "models/per-step-quality/$recipe-variants.md" "${PQ[@]}" "${PQ_VARIANTS[@]}"
+    if [ $recipe = bible-es-en ]; then  # DGC is SGD's
+      "${plain[@]}" --out "models/per-step-quality/$recipe-dgc.md" "${PQ[@]}" --run dgc-99 "${DGC[@]}" train.momentum=0 $W
+    fi
+    "${watched[@]}" --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
+    # one report over every archived run of the recipe (this session's and earlier ones'); the per-tensor tables
+    # of the watched runs
+    $PY bench/compare_methods.py --report-only --runs-dir "docs/runs/per-step-quality/$recipe" \
+      --plots "docs/plots/per-step-quality/$recipe" --out "docs/results-per-step-quality-$recipe.md"
+    anatomies=()
+    for run_dir in "docs/runs/per-step-quality/$recipe"/*/; do
+      if [ -f "$run_dir/anatomy.jsonl" ]; then anatomies+=("${run_dir%/}"); fi
+    done
+    $PY bench/drop_anatomy.py --report "${anatomies[@]}" --out "docs/results-drop-anatomy-$recipe.md"
   done
   ;;&
 exchange-model|all)
@@ -311,7 +334,8 @@ multinode|all)
     'OMP_NUM_THREADS=1 .venv/bin/torchrun --nnodes 2 --nproc-per-node 1 $NETBED_TORCHRUN_ARGS \
      -m nmt.cli.train --config recipes/bible-es-en-adam.yml model_dir=models/netbed-multinode \
      data.vocab.model=models/bible-es-en/spm.model train.max_wall_s=0 train.max_steps=200 train.threads=1 \
-     exchange.method=local_mix exchange.warmup_steps=50 exchange.local_mix.average_every=100 \
+     exchange.method=local_mix exchange.local_mix.local_mode=replace exchange.warmup_steps=50 \
+     exchange.local_mix.average_every=100 \
      data.batch_tokens=1500 \
      train.progress=false valid.every=100 valid.test_at_end=false'
   ;;

@@ -323,8 +323,10 @@ def _rename_old_keys(tree: dict[str, Any], origins: _Origins, warn: bool) -> boo
 
 
 def _ignore_options_not_read(config: Config, origins: _Origins, warn: bool) -> None:
-    """An old-layout exchange section (a checkpoint's config.yml) may set options its method never read: they
-    were ignored then, so they are ignored now (back to their default, one warning line each)."""
+    """An old-layout exchange section, or any config.yml the program wrote (every method's section, at the
+    defaults of its day), may set options its method never read: they were ignored then, so they are ignored
+    now (back to their default, one warning line each when `warn`). Without this a changed default of one
+    method (local_mix's local_mode, issue 27) would make every older checkpoint of the others unreadable."""
     exchange = config.exchange
     for key in options_not_read(exchange):
         if warn:
@@ -347,20 +349,22 @@ def config_from_dict(
     old_exchange_keys: bool = False,
     warn_old_keys: bool = True,
     requirements: bool = True,
+    saved: bool = False,
 ) -> Config:
     """Build and validate a Config from a nested dict (what YAML gives).
 
     `source`, `lines` (dotted key -> line) and `overrides` (dotted key -> override text) only shape the
     error messages: each names the override or the file:line that set the offending value.
     Old flat exchange keys are moved to their new place with a warning (none when `warn_old_keys` is false);
-    `old_exchange_keys` says the caller already moved some from the recipe (see `load_config`).
+    `old_exchange_keys` says the caller already moved some from the recipe (see `load_config`); `saved`
+    says the program wrote `tree` (a checkpoint's config.yml): both reset what the method does not read.
     """
     origins = _Origins(source, dict(lines or {}), dict(overrides or {}))
     tree = _deep_copy(tree)
     _apply_preset(tree, origins)
     old_exchange_keys = _rename_old_keys(tree, origins, warn_old_keys) or old_exchange_keys
     config = _build(Config, tree, "", origins)
-    if old_exchange_keys:
+    if old_exchange_keys or saved:
         _ignore_options_not_read(config, origins, warn_old_keys)
     try:
         config.validate(requirements)
@@ -381,7 +385,7 @@ def _deep_copy(tree: Any) -> Any:
 def load_saved_config(path: str | Path) -> Config:
     """A config.yml the program wrote (a checkpoint's): nothing there for the user to rename, and the
     method's requirements on training bound the run that wrote it, not what reads it now (decoding)."""
-    return load_config(path, warn_old_keys=False, requirements=False)
+    return load_config(path, warn_old_keys=False, requirements=False, saved=True)
 
 
 def load_config(
@@ -390,6 +394,7 @@ def load_config(
     *,
     warn_old_keys: bool = True,
     requirements: bool = True,
+    saved: bool = False,
 ) -> Config:
     """Load a recipe and apply `key.path=value` overrides (later ones win).
 
@@ -422,6 +427,7 @@ def load_config(
         old_exchange_keys=old_exchange_keys,
         warn_old_keys=warn_old_keys,
         requirements=requirements,
+        saved=saved,
     )
 
 

@@ -59,7 +59,8 @@ def test_an_archived_run_is_restored_skipped_and_reported_in_a_later_session(tmp
     assert (runs_dir / "dense" / "metrics.jsonl").exists()
     line = next(x for x in out.read_text().splitlines() if x.startswith("| dense |"))
     assert line.startswith("| dense | `exchange.method=dense` | 10 | 4.000 | 2.50 | 2.50 | 2.50 | 3.50 |")
-    assert line.endswith("| 0 |")  # the recorded exit status, not "–": the run is known to have finished
+    # the recorded exit status, not "–" (the run is known to have finished); no CPU: the record predates it
+    assert line.endswith("| 0 | – |")
 
 
 def test_more_workers_than_cores_is_passed_on_to_nmt_train_only_when_asked(tmp_path: Path) -> None:
@@ -90,3 +91,14 @@ def test_a_command_line_with_arguments_can_stand_in_for_nmt_train(tmp_path: Path
     compare_methods.main([*argv, "--run", "dropping", "exchange.method=dropping"])
     command = json.loads((tmp_path / "runs" / "dropping" / "compare_run.json").read_text())["command"]
     assert command[:4] == ["false", "--every", "50", "--config"]
+
+
+def test_each_run_records_the_cpu_it_trained_on_and_the_table_names_it(tmp_path: Path) -> None:
+    """The same bf16 run differs across CPU models: a report mixing machines says which row ran where."""
+    argv = ["--config", "recipe.yml", "--nmt-train", "false", "--runs-dir", str(tmp_path / "runs")]
+    argv += ["--out", str(tmp_path / "report.md"), "--plots", str(tmp_path / "plots")]
+    compare_methods.main([*argv, "--run", "dense", "exchange.method=dense"])
+    recorded = json.loads((tmp_path / "runs" / "dense" / "compare_run.json").read_text())["cpu"]
+    assert recorded == compare_methods.cpu_model() and recorded.strip()
+    line = next(x for x in (tmp_path / "report.md").read_text().splitlines() if x.startswith("| dense |"))
+    assert line.endswith(f"| {recorded} |")

@@ -24,7 +24,7 @@ from compression.dgs import DENSE, ParameterServer, TopDensity, Update
 from compression.hierarchy import resolve_hierarchy
 from compression.registry import METHODS as METHOD_CLASSES
 from compression.registry import available_methods, check_exchange, reads
-from nmt.config import ConfigError, dump_config, load_config
+from nmt.config import ConfigError, dump_config, load_config, load_saved_config
 
 METHODS = available_methods()
 SHARED_OPTIONS = [
@@ -51,7 +51,7 @@ EXAMPLES: dict[str, object] = {
     "node_size": 2,
     "overlap": True,
     "bucket_mb": 8.0,
-    "local_mix.local_mode": "sum",
+    "local_mix.local_mode": "replace",
     "local_mix.average_every": 7,
     "local_mix.local_weight": 0.5,
     "dgc.momentum": 0.5,
@@ -394,11 +394,28 @@ def test_an_old_checkpoint_config_keeps_loading(tmp_path: Path, caplog) -> None:
     lines = warnings_of(caplog)
     assert len([line for line in lines if "is now" in line]) == len(RENAMED_KEYS)
     ignored = [line for line in lines if "is ignored" in line]
-    assert len(ignored) == 3  # warmup_steps, average_every and the old max_staleness default (16)
+    # warmup_steps, average_every, local_mode (replace, the default until issue 27), max_staleness (16)
+    assert len(ignored) == 4
     assert ignored[0] == (
         f"{saved}:{line_of(saved, 'warmup_steps:')}: exchange.warmup_steps is ignored: exchange.method "
         "'dense' does not read it (tolerated beside the old flat keys, an error with the new ones): remove it"
     )
+
+
+def test_a_saved_config_holding_other_methods_sections_at_former_defaults_loads(tmp_path: Path) -> None:
+    """Every config.yml the program writes holds every method's section, at the defaults of its day. When a
+    default moves (local_mix's local_mode: replace -> sum), an older dense checkpoint still loads, for resume,
+    init_from and decoding, and the local_mix checkpoint keeps the mode it trained with; a recipe that sets
+    another method's option is still an error."""
+    for method in ("dense", "local_mix"):
+        path = tmp_path / method / "config.yml"
+        path.parent.mkdir()
+        older = {"method": method, "local_mix": {"local_mode": "replace", "average_every": 500}}
+        path.write_text(yaml.safe_dump({"train": {"optimizer": "sgd"}, "exchange": older}), encoding="utf-8")
+        loaded = load_saved_config(path).exchange
+        assert loaded.local_mix.local_mode == ("replace" if method == "local_mix" else "sum")
+    with pytest.raises(ConfigError, match="local_mix.local_mode is set but exchange.method is .dense."):
+        load_config(tmp_path / "dense" / "config.yml")
 
 
 def test_an_old_checkpoint_config_of_the_method_keeps_its_options(tmp_path: Path) -> None:

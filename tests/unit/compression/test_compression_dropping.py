@@ -225,7 +225,12 @@ def _equivalence(rank: int, world: int) -> dict[str, float]:
             method="dropping", drop_ratio=0.0, dense_fallback=False, dense_vectors=False, embedding_rows=False
         ),
         "fallback": ExchangeConfig(method="dropping", drop_ratio=0.0),
-        "local_mix_replace": ExchangeConfig(method="local_mix", drop_ratio=0.0, dense_fallback=False),
+        "local_mix_replace": ExchangeConfig(
+            method="local_mix",
+            drop_ratio=0.0,
+            dense_fallback=False,
+            local_mix=LocalMixOptions(local_mode="replace"),
+        ),
     }
     out = {}
     for name, cfg in configs.items():

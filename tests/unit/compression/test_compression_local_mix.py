@@ -64,7 +64,8 @@ def _identity(rank: int, world: int, mode: str, bits: int, warmup: int = 0) -> d
 
 
 def _equivalence(rank: int, world: int) -> float:
-    ex = LocalMix(ExchangeConfig(method="local_mix", drop_ratio=0.0, dense_fallback=False))
+    replace = LocalMixOptions(local_mode="replace")  # sum at density 1 counts the rank's own gradient twice
+    ex = LocalMix(ExchangeConfig(method="local_mix", drop_ratio=0.0, dense_fallback=False, local_mix=replace))
     worst = 0.0
     for t in range(3):
         ref, got = gradient(t, rank), gradient(t, rank)
