@@ -151,6 +151,16 @@ time-to-bleu)
   # Issue 12: every method for the same training time on the test bed (hours; resumable, rerun to continue).
   $PY bench/time_to_bleu.py --out-dir models/time-to-bleu --budget-s "${BUDGET_S:-1200}" --every-s 120
   ;;
+time-to-target)
+  # Issue 28: time to a useful dev BLEU (dense fp32's after 20 training minutes over loopback) on 100 Mbit/s and
+  # 1 Gbit/s bed links, every method capped at 60 training minutes, the local-update family swept first; then
+  # 4 hosts at 100 Mbit/s (dense, the best DiLoCo, our best). Tens of CPU hours: resumable, rerun to continue.
+  # TTT_OTHER names the three best for their run with the other optimizer once the 2-host tables stand.
+  TTT=(--out-dir models/time-to-target --reference-s 1200 --cap-s "${CAP_S:-3600}" --every-s 120)
+  $PY bench/time_to_target.py "${TTT[@]}" --links 100mbit 1gbit --measure dense-fp32@1gbit \
+    --other-optimizer ${TTT_OTHER:-}
+  $PY bench/time_to_target.py "${TTT[@]}" --links 100mbit-4h
+  ;;
 overlap|all)
   # exchange.overlap: dense step time at 1 Gbit/s, 2 bed hosts, without / with / without overlap, in one run
   rm -f docs/netbed-overlap.jsonl

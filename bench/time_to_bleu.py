@@ -141,25 +141,28 @@ def run_one(args: argparse.Namespace, method: Method, link: str) -> None:
         return
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    if link in UNSHAPED:
-        import subprocess
-
-        done = subprocess.run(command, cwd=ROOT, env={**_env(), "OMP_NUM_THREADS": "1"})
-        ok = done.returncode == 0
-    else:
-        with _netbed_class()(hosts=2, bandwidth=link) as bed:
-            result = bed.run(
-                "OMP_NUM_THREADS=1 " + shlex.join(command),
-                timeout=args.budget_s * 4 + 1800,
-                cwd=ROOT,
-                log_dir=args.out_dir / "logs" / f"{method.name}@{link}",
-                echo="0",
-            )
-            ok = result.ok
+    bandwidth = None if link in UNSHAPED else link
+    log_dir = args.out_dir / "logs" / f"{method.name}@{link}"
+    ok = launch(command, bandwidth, log_dir, timeout=args.budget_s * 4 + 1800)
     minutes = (time.monotonic() - started) / 60
     print(
         f"[time-to-bleu] {method.name}@{link}: {'done' if ok else 'FAILED'} in {minutes:.1f} min", flush=True
     )
+
+
+def launch(command: list[str], bandwidth: str | None, log_dir: Path, timeout: float, hosts: int = 2) -> bool:
+    """Run one nmt-train command, one thread per worker: on this host (`bandwidth` None: the workers talk
+    over loopback) or with one worker per host of a `hosts`-host bed whose links are shaped to `bandwidth`."""
+    if bandwidth is None:
+        import subprocess
+
+        done = subprocess.run(command, cwd=ROOT, env={**_env(), "OMP_NUM_THREADS": "1"})
+        return done.returncode == 0
+    with _netbed_class()(hosts=hosts, bandwidth=bandwidth) as bed:
+        result = bed.run(
+            "OMP_NUM_THREADS=1 " + shlex.join(command), timeout=timeout, cwd=ROOT, log_dir=log_dir, echo="0"
+        )
+        return result.ok
 
 
 def _env() -> dict[str, str]:
@@ -200,14 +203,15 @@ def points(out: Path) -> list[dict]:
     return rows
 
 
-def time_to(valid: list[dict], target: float) -> float | None:
-    """Training seconds at which dev BLEU first reaches `target` (linear between validation points)."""
-    previous = {"train_s": 0.0, "bleu": 0.0}
+def time_to(valid: list[dict], target: float, key: str = "train_s") -> float | None:
+    """Training seconds (or another row `key`, e.g. step) at which dev BLEU first reaches `target`, linear
+    between validation points and from (0, BLEU 0) before the first."""
+    previous = {key: 0.0, "bleu": 0.0}
     for row in valid:
         if row["bleu"] >= target:
             span = row["bleu"] - previous["bleu"]
             frac = (target - previous["bleu"]) / span if span > 0 else 1.0
-            return previous["train_s"] + frac * (row["train_s"] - previous["train_s"])
+            return previous[key] + frac * (row[key] - previous[key])
         previous = row
     return None
 
@@ -285,38 +289,51 @@ def table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(summary: dict, out: Path) -> list[Path]:
+def plot_link(
+    curves: list[tuple[str, list[dict], bool]], target: float | None, title: str, out: Path, link: str
+) -> list[Path]:
+    """Two plots of one link: dev BLEU against training time and against bytes sent per worker, one line per
+    (label, validation rows, dashed) curve, the target drawn: OUT/bleu_vs_{time,bytes}_LINK.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
+    for x_key, label, scale, suffix in (
+        ("train_s", "training time (min; validation excluded)", 1 / 60, "time"),
+        ("bytes_sent", "bytes sent per worker (GB)", 1e-9, "bytes"),
+    ):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        positive = False
+        for name, valid, dashed in curves:
+            xs = [r[x_key] * scale for r in valid]
+            positive = positive or any(x > 0 for x in xs)
+            style = "--" if dashed else "-"
+            ax.plot(xs, [r["bleu"] for r in valid], style, marker="o", markersize=3, label=name)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        if suffix == "bytes" and positive:  # a single process sends nothing: no log axis then
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("dev BLEU (greedy, fixed dev subset)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"bleu_vs_{suffix}_{link}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plots(summary: dict, out: Path) -> list[Path]:
+    written = []
     for link, block in summary.items():
-        for x_key, label, scale, suffix in (
-            ("train_s", "training time (min; validation excluded)", 1 / 60, "time"),
-            ("bytes_sent", "bytes sent per worker (GB)", 1e-9, "bytes"),
-        ):
-            fig, ax = plt.subplots(figsize=(7, 4.5))
-            positive = False
-            for name, run in block["runs"].items():
-                xs = [r[x_key] * scale for r in run["valid"]]
-                positive = positive or any(x > 0 for x in xs)
-                ax.plot(xs, [r["bleu"] for r in run["valid"]], marker="o", markersize=3, label=name)
-            if block["dense_fp32_final_dev_bleu"] is not None:
-                ax.axhline(block["dense_fp32_final_dev_bleu"], color="grey", linestyle=":", linewidth=1)
-            if suffix == "bytes" and positive:  # a single process sends nothing: no log axis then
-                ax.set_xscale("log")
-            ax.set_xlabel(label)
-            ax.set_ylabel("dev BLEU (greedy, fixed dev subset)")
-            workers = "1 worker" if link == SINGLE else "2 workers"
-            ax.set_title(f"Bible es-en, {workers}, link {link}")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = out / f"bleu_vs_{suffix}_{link}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
+        curves = [(name, run["valid"], False) for name, run in block["runs"].items()]
+        workers = "1 worker" if link == SINGLE else "2 workers"
+        title = f"Bible es-en, {workers}, link {link}"
+        written += plot_link(curves, block["dense_fp32_final_dev_bleu"], title, out, link)
     return written
 
 

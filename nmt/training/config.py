@@ -120,6 +120,7 @@ class ValidConfig:
     max_sentences: int = 0  # 0 = the whole dev set
     beam_size: int = 0  # 0 = decode.beam_size
     early_stopping: int = 0  # stop after this many validations without a better BLEU; 0 disables
+    target_bleu: float = 0.0  # stop once a validation's BLEU reaches this (train until good enough); 0 = off
     test_at_end: bool = True  # translate data.test with the best checkpoint and log a `test` row
     translate: bool = True  # decode the dev set for BLEU/chrF (dev loss is always computed)
 
@@ -138,6 +139,12 @@ class ValidConfig:
             raise ValueError(f"valid.every_train_s must be >= 0 (0 = off), got {self.every_train_s}")
         if self.early_stopping < 0:
             raise ValueError(f"valid.early_stopping must be >= 0, got {self.early_stopping}")
+        if self.target_bleu < 0:
+            raise ValueError(f"valid.target_bleu must be >= 0 (0 = off), got {self.target_bleu}")
+        if self.target_bleu and not self.translate:
+            raise ValueError(
+                "valid.target_bleu needs valid.translate: true (without translation there is no BLEU)"
+            )
         if self.max_sentences < 0:
             raise ValueError(
                 f"valid.max_sentences must be >= 0 (0 = the whole dev set), got {self.max_sentences}"

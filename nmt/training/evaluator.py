@@ -54,9 +54,13 @@ def score_translations(config: Config, hyps: list[str], refs: list[str]) -> Scor
     return score_corpus(hyps, refs, tgt_lang=config.data.tgt_lang, chrf="chrf" in config.valid.metrics)
 
 
-def judge(state: ValidationRecord, step: int, score: float, early_stopping: int) -> tuple[bool, bool]:
+def judge(
+    state: ValidationRecord, step: int, score: float, early_stopping: int, target_bleu: float = 0.0
+) -> tuple[bool, bool]:
     """Record a validation score; returns (improved, stop early).
 
+    Stop early: `early_stopping` validations in a row without a better score, or the best score has reached
+    `target_bleu` (when set; the score is BLEU then, valid.translate being required for it).
     The first validation is the best so far whatever its score: without translation the score is -loss, which
     the initial best_bleu (-1) would otherwise hide until the loss fell below 1.
     """
@@ -65,7 +69,14 @@ def judge(state: ValidationRecord, step: int, score: float, early_stopping: int)
         state.best_bleu, state.best_step, state.bad_validations = score, step, 0
     else:
         state.bad_validations += 1
-    return improved, bool(early_stopping) and state.bad_validations >= early_stopping
+    return improved, stop_early(state, early_stopping, target_bleu)
+
+
+def stop_early(state: ValidationRecord, early_stopping: int, target_bleu: float) -> bool:
+    """The validations so far end the run: too many without improvement, or the target BLEU reached."""
+    patience_spent = bool(early_stopping) and state.bad_validations >= early_stopping
+    target_reached = bool(target_bleu) and state.best_step > 0 and state.best_bleu >= target_bleu
+    return patience_spent or target_reached
 
 
 class Evaluator:
@@ -170,13 +181,16 @@ class Evaluator:
             row.update(scores.row())
             score = scores.bleu
         row["valid_s"] = round(time.perf_counter() - started, 3)
-        improved, early = judge(state, step, score, valid.early_stopping)
+        improved, early = judge(state, step, score, valid.early_stopping, valid.target_bleu)
         self.metrics.write(row)
         text = f" {scores.summary()}" if scores is not None else ""
         best = " (best)" if improved and scores is not None else ""
         signature = f"  {scores.bleu_signature}" if scores is not None else ""
         progress.write(f"[valid] step {step}: loss {loss:.3f}{text}{best}{signature}")
-        if early:
+        if early and valid.target_bleu and state.best_bleu >= valid.target_bleu:
+            reached = f"dev BLEU {state.best_bleu:.2f} reached valid.target_bleu {valid.target_bleu:g}"
+            progress.write(f"[valid] {reached}: stopping")
+        elif early:
             progress.write(f"[valid] no improvement in {valid.early_stopping} validations: stopping early")
         return improved, early
 

@@ -31,7 +31,7 @@ from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.cadence import Cadence, after_update
 from nmt.training.distributed import WorkerInfo
 from nmt.training.divergence import DivergenceGuard
-from nmt.training.evaluator import Evaluator, Shard
+from nmt.training.evaluator import Evaluator, Shard, stop_early
 from nmt.training.metrics import Limits, MetricsLog, Progress
 from nmt.training.optimizer import apply_optimizer_action, build_optimizer
 from nmt.training.resume_options import apply_train_options
@@ -247,8 +247,8 @@ class Trainer:
         if self._already_finished():
             progress.write(
                 f"nmt-train: already finished at step {self.state.step}; best = step {self.state.best_step}: "
-                f"nothing to train (raise train.max_steps, max_wall_s or max_epochs to go on, or use another "
-                f"model_dir)"
+                f"nothing to train (raise train.max_steps, max_wall_s, max_epochs or valid.target_bleu to go "
+                f"on, or use another model_dir)"
             )
             progress.close()
             if valid.test_at_end and self.config.data.test.src and self._any_rank(self._test_row_missing()):
@@ -330,9 +330,9 @@ class Trainer:
         """The checkpoint we resumed from ended its run, and the limits that ended it still hold."""
         if not self.resumed_meta.get("finished"):
             return False
-        early = self.config.valid.early_stopping
-        done = self._limit_reached(self.state.wall_s, self.state.step + 1) or bool(
-            early and self.state.bad_validations >= early
+        valid = self.config.valid
+        done = self._limit_reached(self.state.wall_s, self.state.step + 1) or stop_early(
+            self.state, valid.early_stopping, valid.target_bleu
         )
         return self._any_rank(done)  # the stop vote of a run is "any rank", so is this
 

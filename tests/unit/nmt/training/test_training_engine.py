@@ -21,7 +21,7 @@ from nmt.training.errors import (
     is_communication_error,
     peer_failure_from,
 )
-from nmt.training.evaluator import Evaluator, ValidationRecord, judge
+from nmt.training.evaluator import Evaluator, ValidationRecord, judge, stop_early
 from nmt.training.flat import flatten_model
 from nmt.training.metrics import MetricsLog
 from nmt.training.runner import run_rank
@@ -137,6 +137,15 @@ def test_judge_keeps_the_best_counts_bad_validations_and_stops_early():
     assert judge(record, 4, 3.0, early_stopping=2) == (False, True)  # equal is not better
     assert (record.best_step, record.best_bleu, record.bad_validations) == (2, 3.0, 2)
     assert judge(record, 5, 3.5, early_stopping=2) == (True, False) and record.bad_validations == 0
+
+
+def test_judge_stops_once_the_best_bleu_reaches_the_target():
+    record = ValidationRecord()
+    assert judge(record, 1, 4.0, early_stopping=0, target_bleu=5.0) == (True, False)
+    assert judge(record, 2, 5.0, early_stopping=0, target_bleu=5.0) == (True, True)  # reached: equal counts
+    assert judge(record, 3, 4.5, early_stopping=0, target_bleu=5.0) == (False, True)  # the best stays reached
+    assert not stop_early(ValidationRecord(), early_stopping=0, target_bleu=5.0)  # nothing validated yet
+    assert not stop_early(record, early_stopping=0, target_bleu=0.0)  # 0 = off
 
 
 def test_dev_files_of_unequal_length_are_a_corpus_error(reverse_corpus: Path, tmp_path: Path):

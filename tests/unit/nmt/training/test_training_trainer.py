@@ -251,6 +251,26 @@ def test_validation_logs_the_listed_metrics_and_picks_by_bleu(
     assert trainer.metrics.rows()[-1]["chrf"] == pytest.approx(100.0)
 
 
+def test_validation_stops_the_run_once_dev_bleu_reaches_the_target(
+    trainer: Trainer, monkeypatch: pytest.MonkeyPatch
+):
+    translate_as_refs(trainer, monkeypatch)  # BLEU 100
+    trainer.config.valid.max_sentences = 5
+    trainer.config.valid.target_bleu = 100.5
+    trainer.state.step = 10
+    assert trainer.validate(quiet_progress()) == (True, False)  # 100 < 100.5: go on
+    trainer.config.valid.target_bleu = 99.0
+    trainer.state.step += 10
+    assert trainer.validate(quiet_progress()) == (False, True)  # the best (100) has reached 99: stop
+
+
+def test_target_bleu_needs_translation():
+    with pytest.raises(ValueError, match="valid.target_bleu needs valid.translate"):
+        ValidConfig(target_bleu=20.0, translate=False).validate()
+    with pytest.raises(ValueError, match="valid.target_bleu must be >= 0"):
+        ValidConfig(target_bleu=-1.0).validate()
+
+
 def test_validation_tokenizes_bleu_for_the_target_language(trainer: Trainer, monkeypatch: pytest.MonkeyPatch):
     translate_as_refs(trainer, monkeypatch)
     trainer.config.valid.max_sentences = 5
