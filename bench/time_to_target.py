@@ -218,9 +218,8 @@ def probe_command(args: argparse.Namespace, model_dir: Path, method: Method, lin
 
 def execute(args: argparse.Namespace, label: str, command: list[str], link: Link, timeout_s: float) -> None:
     model_dir = Path(next(c for c in command if c.startswith("model_dir=")).split("=", 1)[1])
-    probe = label.endswith("~probe")
-    done = bool(read_metrics(model_dir)) and probe and _probe_done(model_dir, args.probe_steps)
-    if done or (not probe and finished(model_dir)):
+    done = _probe_done(model_dir, args.probe_steps) if label.endswith("~probe") else finished(model_dir)
+    if done:
         print(f"[time-to-target] {label}: finished, skipped", flush=True)
         return
     resumed = " (resuming)" if (model_dir / "last").exists() else ""
@@ -376,14 +375,13 @@ def run_grid(args: argparse.Namespace) -> None:
         methods += [m for m in (other_optimizer(BY_NAME[n]) for n in args.other_optimizer) if m is not None]
         for method in methods:
             chosen = settled(args.out_dir, method, target)
-            if chosen is not None:
-                chosen = with_recipe(chosen, args)
             if chosen is None:
                 print(
                     f"[time-to-target] {method.name}@{link_name}: its sweep has not finished: skipped",
                     flush=True,
                 )
                 continue
+            chosen = with_recipe(chosen, args)
             derive = chosen.derivable and link_name in DERIVE_ON
             if derive:  # to the target over loopback, then a probe of the link's seconds per step
                 base = loopback_of(link)
