@@ -38,7 +38,7 @@ SBC_PRESETS: dict[str, tuple[int, float]] = {
 }
 
 # The per-method sections of ExchangeConfig (`exchange.sbc`, ...): each is read by its own method only.
-METHOD_SECTIONS = ("local_mix", "dgc", "sbc", "dgs", "powersgd", "local_sgd", "diloco")
+METHOD_SECTIONS = ("local_mix", "dgc", "dgc_adam", "sbc", "dgs", "powersgd", "local_sgd", "diloco")
 
 # The flat keys of the exchange section before the options moved under their method (checkpoints written
 # before then hold them in config.yml): old key -> its place now, both relative to `exchange.`.
@@ -115,6 +115,37 @@ class DgcOptions:
         if self.local_clip_norm < 0:
             raise ValueError(
                 f"exchange.dgc.local_clip_norm must be >= 0 (0 = off), got {self.local_clip_norm}"
+            )
+
+
+@dataclass
+class DgcAdamOptions:
+    """`exchange.dgc_adam`: the options of dgc_adam (error feedback on the Adam update)."""
+
+    # dgc_adam (Lin et al. 2018's momentum correction with Adam's moments; Tang et al. 2021, Lu et al. 2022).
+    # Pair with train.optimizer: sgd, momentum 0, clip_norm 0 at Adam's learning rate.
+    beta1: float = 0.9  # Adam's beta1 (the first moment of each rank's gradient)
+    beta2: float = 0.98  # Adam's beta2
+    eps: float = 1e-9  # Adam's epsilon
+    # 0 = each rank's own second moment; N = averaged across ranks at steps 1, 2, 4, ... then every N steps
+    variance_every: int = 0
+    local_clip_norm: float = 1.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
+    momentum_masking: bool = False  # zero a sent coordinate's first moment (DGC's factor masking)
+
+    def validate(self) -> None:
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"exchange.dgc_adam.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.eps <= 0:
+            raise ValueError(f"exchange.dgc_adam.eps must be > 0, got {self.eps}")
+        if self.variance_every < 0:
+            raise ValueError(
+                "exchange.dgc_adam.variance_every must be >= 0 (0 = each rank's own second moment), "
+                f"got {self.variance_every}"
+            )
+        if self.local_clip_norm < 0:
+            raise ValueError(
+                f"exchange.dgc_adam.local_clip_norm must be >= 0 (0 = off), got {self.local_clip_norm}"
             )
 
 
@@ -263,8 +294,8 @@ class ExchangeConfig:
     option that `method` does not read (a shared one, or one under another method's key) must keep its
     default: anything else is an error naming the key (compression.registry.check_exchange).
 
-    method: dense | dense_bf16 | dropping | local_mix | dgc | sbc | powersgd | local_sgd | diloco | dgs (see
-    `compression.available_methods()`; dgs runs in the asynchronous trainer).
+    method: dense | dense_bf16 | dropping | local_mix | dgc | dgc_adam | sbc | powersgd | local_sgd | diloco |
+    dgs (see `compression.available_methods()`; dgs runs in the asynchronous trainer).
     """
 
     method: str = "dense"  # how workers exchange gradients or updates; dgs runs the asynchronous trainer
@@ -303,6 +334,7 @@ class ExchangeConfig:
     bucket_mb: float = 4.0  # MiB per bucket of exchange.overlap
     local_mix: LocalMixOptions = field(default_factory=LocalMixOptions)
     dgc: DgcOptions = field(default_factory=DgcOptions)
+    dgc_adam: DgcAdamOptions = field(default_factory=DgcAdamOptions)
     sbc: SbcOptions = field(default_factory=SbcOptions)
     dgs: DgsOptions = field(default_factory=DgsOptions)
     powersgd: PowerSgdOptions = field(default_factory=PowerSgdOptions)

@@ -22,6 +22,7 @@ from compression.config import (
 from compression.dense import DenseAllReduce
 from compression.dense_bf16 import DenseBf16AllReduce
 from compression.dgc import DeepGradientCompression
+from compression.dgc_adam import DgcAdam
 from compression.dgs import DeepGradientSparsification
 from compression.diloco import DiLoCo
 from compression.dropping import GradientDropping
@@ -40,6 +41,7 @@ METHODS: dict[str, type[ExchangeMethod]] = {
         GradientDropping,
         LocalMix,
         DeepGradientCompression,
+        DgcAdam,
         SparseBinaryCompression,
         PowerSGD,
         LocalSGD,

@@ -28,6 +28,7 @@ METHODS = {
         "exchange.min_tensor_density=0.002",
     ],
     "dgc": ["exchange.method=dgc", "train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0"],
+    "dgc_adam": ["exchange.method=dgc_adam", "train.optimizer=sgd", "train.clip_norm=0"],
     "sbc": ["exchange.method=sbc", "exchange.sbc.delay=3", "exchange.sbc.density=0.01"],
     "local_sgd": ["exchange.method=local_sgd", "exchange.local_sgd.sync_every=4"],
     "local_sgd-slowmo": [

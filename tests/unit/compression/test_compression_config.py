@@ -56,6 +56,12 @@ EXAMPLES: dict[str, object] = {
     "local_mix.local_weight": 0.5,
     "dgc.momentum": 0.5,
     "dgc.local_clip_norm": 1.0,
+    "dgc_adam.beta1": 0.8,
+    "dgc_adam.beta2": 0.99,
+    "dgc_adam.eps": 1e-6,
+    "dgc_adam.variance_every": 50,
+    "dgc_adam.local_clip_norm": 0.5,
+    "dgc_adam.momentum_masking": True,
     "sbc.delay": 3,
     "sbc.density": 0.5,
     "sbc.preset": "delay-10",
@@ -85,7 +91,7 @@ EXAMPLES: dict[str, object] = {
     "diloco.accumulator_decay": 0.5,
 }
 # Sections of the methods that came after the flat keys were renamed: they never had a flat name.
-NEW_SECTIONS = ("local_sgd", "diloco")
+NEW_SECTIONS = ("local_sgd", "diloco", "dgc_adam")
 NEW_SECTION_KEYS = ("local_mix.local_weight",)  # added after the flat names were retired: none to rename
 SECTION_OPTIONS = [key for key in EXAMPLES if "." in key]
 
@@ -100,10 +106,10 @@ def exchange_tree(method: str, **options: object) -> dict:
 
 
 def write_recipe(tmp_path: Path, exchange: dict) -> Path:
-    """A recipe of `exchange` and plain SGD (what dgc and dgs require of the optimizer; every method runs
-    with it)."""
+    """A recipe of `exchange` and plain SGD without clipping (what dgc, dgc_adam and dgs require of the
+    optimizer; every method runs with it)."""
     path = tmp_path / "recipe.yml"
-    tree = {"train": {"optimizer": "sgd"}, "exchange": exchange}
+    tree = {"train": {"optimizer": "sgd", "clip_norm": 0.0}, "exchange": exchange}
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return path
 
@@ -159,7 +165,7 @@ def test_nested_keys_load_from_a_recipe_and_from_overrides(tmp_path: Path, caplo
 def test_each_method_option_lands_under_its_method(key: str) -> None:
     method = key.split(".")[0]
     option = f"exchange.{key}={json.dumps(EXAMPLES[key])}"
-    overrides = ["train.optimizer=sgd", f"exchange.method={method}", option]
+    overrides = ["train.optimizer=sgd", "train.clip_norm=0", f"exchange.method={method}", option]
     exchange = load_config(None, overrides)
     assert get(exchange.exchange, key) == EXAMPLES[key]
 
@@ -186,7 +192,7 @@ def test_method_options_apply_to_their_method_only(key: str, method: str) -> Non
     config = ExchangeConfig(method=method)
     setattr(getattr(config, owner), key.split(".")[1], EXAMPLES[key])
     if method == owner:
-        check_exchange(config, {"train": {"optimizer": "sgd"}})
+        check_exchange(config, {"train": {"optimizer": "sgd", "clip_norm": 0.0}})
         return
     with pytest.raises(ValueError) as err:
         check_exchange(config)
@@ -225,8 +231,8 @@ def test_shared_options_apply_to_the_methods_that_read_them(key: str, method: st
 
 def test_shared_options_table() -> None:
     """Who reads what (each method's declaration): the dropping family everything but the overlap, which
-    dropping, local_mix and dgc read, and the position code, which dgs's own wire does not use; dgc no
-    embedding rows; dgs no dense vectors, embedding rows or
+    dropping, local_mix and dgc read, and the position code, which dgs's own wire does not use; dgc and
+    dgc_adam no embedding rows, dgc_adam no overlap or hierarchy; dgs no dense vectors, embedding rows or
     hierarchy; powersgd only the seed; diloco the sparse round's options (for its compressed
     pseudo-gradients), not the drop ratio or its warm-up; dense and dense_bf16 only the overlap; sbc and
     local_sgd none."""
@@ -235,6 +241,7 @@ def test_shared_options_table() -> None:
         "dropping",
         "local_mix",
         "dgc",
+        "dgc_adam",
         "dgs",
         "powersgd",
         "dense",
@@ -259,9 +266,9 @@ def test_shared_options_table() -> None:
     assert all({"dropping", "local_mix"} <= methods for key, methods in readers.items() if key not in overlap)
     assert readers["hierarchy"] == readers["node_size"] == {"dropping", "local_mix", "dgc"}
     assert readers["embedding_rows"] == {"dropping", "local_mix"}
-    assert readers["min_tensor_density"] == {"dropping", "local_mix", "dgc", "diloco"}
-    assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc", "diloco"}
-    assert readers["position_code"] == {"dropping", "local_mix", "dgc", "diloco"}
+    assert readers["min_tensor_density"] == {"dropping", "local_mix", "dgc", "dgc_adam", "diloco"}
+    assert readers["dense_vectors"] == {"dropping", "local_mix", "dgc", "dgc_adam", "diloco"}
+    assert readers["position_code"] == {"dropping", "local_mix", "dgc", "dgc_adam", "diloco"}
     assert [key for key, methods in readers.items() if "powersgd" in methods] == ["sample_seed"]
 
 

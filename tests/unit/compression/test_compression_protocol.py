@@ -51,6 +51,7 @@ def test_every_registered_method_declares_its_name_and_what_it_reads():
         "dense",
         "dense_bf16",
         "dgc",
+        "dgc_adam",
         "dgs",
         "diloco",
         "dropping",
