@@ -60,6 +60,34 @@ def dgc_density(drop_ratio: float, warmup_steps: int, step: int) -> float:
     return max(final, WARMUP_FACTOR ** (stage + 1))
 
 
+def momentum_partition(ctx: StepContext, dense_vectors: bool, flat: Tensor) -> BufferPartition:
+    """The partition of the momentum-carrying methods (dgc, dgc_adam): embeddings go through the sparse
+    path (a row path would lose the momentum of untouched rows)."""
+    partition = BufferPartition(ctx.layout, dense_vectors=dense_vectors, embedding_rows=False)
+    if partition.numel != flat.numel():
+        raise ValueError(
+            f"parameter layout covers {partition.numel} values but the gradient buffer has {flat.numel()}"
+        )
+    return partition
+
+
+def ensure_buffers(owner: object, sizes: dict[str, int], device: torch.device, label: str) -> None:
+    """Give `owner` a zero fp32 buffer per name of `sizes` where it has none, move the others to `device`,
+    and refuse one of another size (a checkpoint of another model or another exchange.dense_vectors)."""
+    for name, n in sizes.items():
+        buf = getattr(owner, name)
+        if buf is None:
+            setattr(owner, name, torch.zeros(n, dtype=torch.float32, device=device))
+        elif buf.numel() != n:
+            raise ValueError(
+                f"exchange state holds a {label} {name} buffer of {buf.numel()} values "
+                f"but this model needs {n}: "
+                "the checkpoint was written for another model or another exchange.dense_vectors setting"
+            )
+        elif buf.device != device:
+            setattr(owner, name, buf.to(device))
+
+
 class DeepGradientCompression(ExchangeMethod):
     """DGC with momentum correction, momentum factor masking, density warm-up and optional local clipping.
     Options: exchange.dgc.momentum and exchange.dgc.local_clip_norm, and the shared exchange.* drop_ratio,
@@ -104,31 +132,13 @@ class DeepGradientCompression(ExchangeMethod):
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
-            self.partition = BufferPartition(
-                ctx.layout, dense_vectors=self.config.dense_vectors, embedding_rows=False
-            )
-            if self.partition.numel != flat.numel():
-                raise ValueError(
-                    f"parameter layout covers {self.partition.numel} values "
-                    f"but the gradient buffer has {flat.numel()}"
-                )
+            self.partition = momentum_partition(ctx, self.config.dense_vectors, flat)
         sizes = {
             "momentum": self.partition.sparse.numel,
             "velocity": self.partition.sparse.numel,
             "dense_momentum": self.partition.dense.numel,
         }
-        for name, n in sizes.items():
-            buf = getattr(self, name)
-            if buf is None:
-                setattr(self, name, torch.zeros(n, dtype=torch.float32, device=flat.device))
-            elif buf.numel() != n:
-                raise ValueError(
-                    f"exchange state holds a DGC {name} buffer of {buf.numel()} values "
-                    f"but this model needs {n}: "
-                    "the checkpoint was written for another model or another exchange.dense_vectors setting"
-                )
-            elif buf.device != flat.device:
-                setattr(self, name, buf.to(flat.device))
+        ensure_buffers(self, sizes, flat.device, "DGC")
         return self.partition
 
     def density(self) -> float:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from compression.config import SPARSE_OPTIONS, ExchangeConfig
-from compression.dgc import dgc_density
+from compression.dgc import dgc_density, ensure_buffers, momentum_partition
 from compression.dropping import exchange_stats
 from compression.partition import BufferPartition
 from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
@@ -113,29 +113,11 @@ class DgcAdam(ExchangeMethod):
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
-            self.partition = BufferPartition(
-                ctx.layout, dense_vectors=self.config.dense_vectors, embedding_rows=False
-            )
-            if self.partition.numel != flat.numel():
-                raise ValueError(
-                    f"parameter layout covers {self.partition.numel} values "
-                    f"but the gradient buffer has {flat.numel()}"
-                )
+            self.partition = momentum_partition(ctx, self.config.dense_vectors, flat)
         sparse, dense = self.partition.sparse.numel, self.partition.dense.numel
         shared = sparse if self.config.dgc_adam.variance_every else 0
         sizes = dict(zip(BUFFERS, (sparse, sparse, sparse, shared, dense, dense), strict=True))
-        for name, n in sizes.items():
-            buf = getattr(self, name)
-            if buf is None:
-                setattr(self, name, torch.zeros(n, dtype=torch.float32, device=flat.device))
-            elif buf.numel() != n:
-                raise ValueError(
-                    f"exchange state holds a dgc_adam {name} buffer of {buf.numel()} values "
-                    f"but this model needs {n}: "
-                    "the checkpoint was written for another model or another exchange.dense_vectors setting"
-                )
-            elif buf.device != flat.device:
-                setattr(self, name, buf.to(flat.device))
+        ensure_buffers(self, sizes, flat.device, "dgc_adam")
         return self.partition
 
     def density(self) -> float:
