@@ -321,6 +321,24 @@ per-step-quality|all)
     "${plain[@]}" --out "models/per-step-quality/$recipe-variants.md" "${PQ[@]}" "${PQ_VARIANTS[@]}"
     if [ $recipe = bible-es-en ]; then  # DGC is SGD's
       "${plain[@]}" --out "models/per-step-quality/$recipe-dgc.md" "${PQ[@]}" --run dgc-99 "${DGC[@]}" train.momentum=0 $W
+    else  # Adam's: replace at 99.9% (sum hurts with Adam), and error feedback on the Adam update (dgc_adam)
+      DGC_ADAM_COMMON=(exchange.warmup_steps=500 train.optimizer=sgd train.clip_norm=0)  # SGD applies its update as is
+      # lr1.41: does a larger step close dgc_adam's gap (the per-rank second moment sees half the batch)?
+      # density1 (1,000 steps): the same method with nothing dropped, to split its lag between the dropping
+      # and the per-rank moments
+      "${plain[@]}" --out "models/per-step-quality/$recipe-dgc_adam.md" "${PQ[@]}" \
+        --run local_mix-99.9-warmup500 exchange.method=local_mix exchange.drop_ratio=0.999 exchange.warmup_steps=500 \
+          $REPLACE $A \
+        --run dgc_adam-99 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+        --run dgc_adam-99.9 exchange.method=dgc_adam exchange.drop_ratio=0.999 "${DGC_ADAM_COMMON[@]}" \
+        --run dgc_adam-99-lr1.41 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+          train.lr=0.0042426 \
+        --run dgc_adam-density1 exchange.method=dgc_adam exchange.drop_ratio=0 exchange.warmup_steps=0 \
+          train.optimizer=sgd train.clip_norm=0 train.max_steps=1000
+      # the two Adam remedies of the plain grid together: averaging every 10 steps and the 500-step warm-up
+      "${plain[@]}" --out "models/per-step-quality/$recipe-combined.md" "${PQ[@]}" \
+        --run local_mix-99-avg10-warmup500 "${LM99[@]}" $REPLACE exchange.warmup_steps=500 \
+          exchange.local_mix.average_every=10
     fi
     "${watched[@]}" --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
     # one report over every archived run of the recipe (this session's and earlier ones'); the per-tensor tables
