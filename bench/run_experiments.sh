@@ -322,7 +322,8 @@ per-step-quality|all)
     if [ $recipe = bible-es-en ]; then  # DGC is SGD's
       "${plain[@]}" --out "models/per-step-quality/$recipe-dgc.md" "${PQ[@]}" --run dgc-99 "${DGC[@]}" train.momentum=0 $W
     else  # Adam's: replace at 99.9% (sum hurts with Adam), and error feedback on the Adam update (dgc_adam)
-      DGC_ADAM_COMMON=(exchange.warmup_steps=500 train.optimizer=sgd train.clip_norm=0)  # SGD applies its update as is
+      UPDATE_AS_IS=(train.optimizer=sgd train.clip_norm=0)  # dgc_adam returns the Adam update: SGD applies it as is
+      DGC_ADAM_COMMON=(exchange.warmup_steps=500 "${UPDATE_AS_IS[@]}")
       # lr1.41: does a larger step close dgc_adam's gap (the per-rank second moment sees half the batch)?
       # density1 (1,000 steps): the same method with nothing dropped, to split its lag between the dropping
       # and the per-rank moments
@@ -334,7 +335,7 @@ per-step-quality|all)
         --run dgc_adam-99-lr1.41 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
           train.lr=0.0042426 \
         --run dgc_adam-density1 exchange.method=dgc_adam exchange.drop_ratio=0 exchange.warmup_steps=0 \
-          train.optimizer=sgd train.clip_norm=0 train.max_steps=1000
+          "${UPDATE_AS_IS[@]}" train.max_steps=1000
       # the two Adam remedies of the plain grid together: averaging every 10 steps and the 500-step warm-up
       "${plain[@]}" --out "models/per-step-quality/$recipe-combined.md" "${PQ[@]}" \
         --run local_mix-99-avg10-warmup500 "${LM99[@]}" $REPLACE exchange.warmup_steps=500 \
