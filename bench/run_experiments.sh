@@ -336,10 +336,21 @@ per-step-quality|all)
           train.lr=0.0042426 \
         --run dgc_adam-density1 exchange.method=dgc_adam exchange.drop_ratio=0 exchange.warmup_steps=0 \
           "${UPDATE_AS_IS[@]}" train.max_steps=1000
-      # the two Adam remedies of the plain grid together: averaging every 10 steps and the 500-step warm-up
+      # the two Adam remedies of the plain grid together: averaging every 10 steps and the 500-step warm-up;
+      # then dgc_adam with local_mix's dense local term (each rank applies its own Adam update in full), the
+      # remedy dgc_adam-density1 points to, at the same averaging intervals
+      LOCAL_UPDATE=(exchange.dgc_adam.local_update=true)
       "${plain[@]}" --out "models/per-step-quality/$recipe-combined.md" "${PQ[@]}" \
         --run local_mix-99-avg10-warmup500 "${LM99[@]}" $REPLACE exchange.warmup_steps=500 \
-          exchange.local_mix.average_every=10
+          exchange.local_mix.average_every=10 \
+        --run local_mix-99.9-avg10-warmup500 exchange.method=local_mix exchange.drop_ratio=0.999 $REPLACE \
+          exchange.warmup_steps=500 exchange.local_mix.average_every=10 \
+        --run dgc_adam-99-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+          "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=10 \
+        --run dgc_adam-99.9-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.999 "${DGC_ADAM_COMMON[@]}" \
+          "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=10 \
+        --run dgc_adam-99-local-avg100 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+          "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=100
     fi
     "${watched[@]}" --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
     # one report over every archived run of the recipe (this session's and earlier ones'); the per-tensor tables

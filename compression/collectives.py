@@ -2,7 +2,8 @@
 
 Why a module of its own: checking that every rank holds the same weights, and averaging them when they do
 not, is neither a gradient exchange nor part of the training loop; the smoothed weights (nmt/training) and
-the methods that synchronise every few steps (local_mix, sbc) call the same two functions.
+the methods that synchronise every few steps (local_mix, sbc, dgc_adam's local_update) call the same
+functions.
 """
 
 from __future__ import annotations
@@ -42,3 +43,32 @@ def average_parameters(flat_params: torch.Tensor, ctx: StepContext) -> ExchangeS
     flat_params.div_(ctx.world_size)
     n_bytes = flat_params.numel() * FP32_BYTES
     return ExchangeStats(bytes_sent=n_bytes, bytes_received=n_bytes)
+
+
+class PeriodicAverage:
+    """Parameter averaging every `every` exchange steps, and on demand (before every validation and
+    checkpoint) when any optimizer step happened since the last average: the synchronisation of the methods
+    that apply a rank's own dense gradient or update between averages (local_mix, dgc_adam's local_update).
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.steps_since_average = 0
+
+    def after_step(self, exchange_step: int, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+        """After an optimizer step; `exchange_step` counts the exchanges so far (1 after the first)."""
+        self.steps_since_average += 1
+        if exchange_step > 0 and exchange_step % self.every == 0:
+            return self.average(flat_params, ctx)
+        return ExchangeStats()
+
+    def synchronize(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+        if self.steps_since_average == 0:
+            return ExchangeStats()  # replicas are identical already (every rank's counter agrees)
+        return self.average(flat_params, ctx)
+
+    def average(self, flat_params: torch.Tensor, ctx: StepContext) -> ExchangeStats:
+        stats = average_parameters(flat_params, ctx)
+        self.steps_since_average = 0
+        stats.extra["bytes_param_average"] = float(stats.bytes_sent)
+        return stats

@@ -131,8 +131,15 @@ class DgcAdamOptions:
     variance_every: int = 0
     local_clip_norm: float = 1.0  # 0 = off; else each rank clips its gradient to local_clip_norm * sqrt(P)
     momentum_masking: bool = False  # zero a sent coordinate's first moment (DGC's factor masking)
+    # true: each rank applies its own dense Adam update in place of its own sparse message, plus the others'
+    # messages (local_mix's replace, Aji et al. 2019, on the Adam update); replicas drift and are averaged
+    # every average_every steps
+    local_update: bool = False
+    average_every: int = 10  # with local_update: parameters are averaged every this many optimizer steps
 
     def validate(self) -> None:
+        if self.average_every < 1:
+            raise ValueError(f"exchange.dgc_adam.average_every must be >= 1, got {self.average_every}")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"exchange.dgc_adam.{key} must be in [0, 1), got {getattr(self, key)}")

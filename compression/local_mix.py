@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from compression.collectives import average_parameters
+from compression.collectives import PeriodicAverage
 from compression.config import ExchangeConfig
 from compression.dropping import GradientDropping, ResidualState, finish_with_residual
 from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
@@ -55,7 +55,7 @@ class LocalMix(ExchangeMethod):
     def __init__(self, config: ExchangeConfig | None = None) -> None:
         super().__init__(config)
         self.state = ResidualState(self.config, embedding_rows=self.config.embedding_rows)
-        self.steps_since_average = 0
+        self.averaging = PeriodicAverage(self.config.local_mix.average_every)
 
     def start(self, flat_grad: Tensor, bounds: tuple[int, int], ctx: StepContext) -> None:
         self.state.start(flat_grad, bounds, ctx)
@@ -70,25 +70,14 @@ class LocalMix(ExchangeMethod):
         self.state.buckets.drop()
 
     def after_step(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        self.steps_since_average += 1
-        if self.state.step > 0 and self.state.step % self.config.local_mix.average_every == 0:
-            return self._average(flat_params, ctx)
-        return ExchangeStats()
+        return self.averaging.after_step(self.state.step, flat_params, ctx)
 
     def synchronize_params(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        if self.steps_since_average == 0:
-            return ExchangeStats()  # replicas are identical already (every rank's counter agrees)
-        return self._average(flat_params, ctx)
-
-    def _average(self, flat_params: Tensor, ctx: StepContext) -> ExchangeStats:
-        stats = average_parameters(flat_params, ctx)
-        self.steps_since_average = 0
-        stats.extra["bytes_param_average"] = float(stats.bytes_sent)
-        return stats
+        return self.averaging.synchronize(flat_params, ctx)
 
     def state_dict(self) -> dict:
-        return {**self.state.state_dict(), "steps_since_average": self.steps_since_average}
+        return {**self.state.state_dict(), "steps_since_average": self.averaging.steps_since_average}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
-        self.steps_since_average = int(state["steps_since_average"])
+        self.averaging.steps_since_average = int(state["steps_since_average"])

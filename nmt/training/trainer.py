@@ -353,9 +353,10 @@ class Trainer:
     def synchronize(self) -> None:
         """Make every rank hold one model, bit for bit: parameters and their smoothed copy; bytes are counted.
 
-        Methods whose replicas drift (`replicas_drift`: local_mix, sbc) synchronise here if they have not
-        just done so. The smoothed copy drifts with them even when the parameters were averaged inside
-        `after_step` (each rank smoothed its own trajectory before that average), so it is checked on its own:
+        Methods whose replicas drift (`replicas_drift`: local_mix, sbc, dgc_adam with local_update)
+        synchronise here if they have not just done so. The smoothed copy drifts with them even when the
+        parameters were averaged inside `after_step` (each rank smoothed its own trajectory before that
+        average), so it is checked on its own:
         a 32-byte checksum all-reduce, and a dense average only if the ranks' copies differ. By linearity the
         average of the smoothed copies is the smoothing of the averaged trajectory.
         """

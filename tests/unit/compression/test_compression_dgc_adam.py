@@ -1,24 +1,28 @@
-"""dgc_adam: on one rank at density 1 it is torch's Adam; sparse, it keeps what it did not send."""
+"""dgc_adam: on one rank at density 1 it is torch's Adam; sparse, it keeps what it did not send; with
+local_update each rank applies its own update in full and the others' as they arrive (2 real gloo ranks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from compression.config import DgcAdamOptions, ExchangeConfig
 from compression.dgc_adam import DgcAdam, is_refresh_step
 from compression.protocol import ParamSpan, StepContext
 from compression.registry import check_exchange
 
+from gloo_harness import run_ranks
+
 LAYOUT = [ParamSpan("w", 0, (8, 16), "matrix"), ParamSpan("b", 128, (16,), "vector")]
 
 
-def ctx(step: int) -> StepContext:
-    return StepContext(step=step, world_size=1, rank=0, layout=LAYOUT)
+def ctx(step: int, world: int = 1, rank: int = 0) -> StepContext:
+    return StepContext(step=step, world_size=world, rank=rank, layout=LAYOUT)
 
 
-def gradients(steps: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+def gradients(steps: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
     return [torch.randn(144, generator=gen) * (1 + (torch.arange(144) % 7)) for _ in range(steps)]
 
 
@@ -86,3 +90,112 @@ def test_options_out_of_range_name_the_key() -> None:
         ExchangeConfig(method="dgc_adam", dgc_adam=DgcAdamOptions(beta2=1.0)).validate()
     with pytest.raises(ValueError, match=r"^exchange.dgc_adam.variance_every must be >= 0"):
         ExchangeConfig(method="dgc_adam", dgc_adam=DgcAdamOptions(variance_every=-1)).validate()
+
+
+def local_config(drop_ratio: float, local_update: bool = True, average_every: int = 10) -> ExchangeConfig:
+    options = DgcAdamOptions(local_clip_norm=0.0, local_update=local_update, average_every=average_every)
+    return ExchangeConfig(
+        method="dgc_adam", drop_ratio=drop_ratio, threshold_estimator="exact", dgc_adam=options
+    )
+
+
+def _ledger(rank: int, world: int) -> float:
+    """Sum over steps of what rank i applied on the sparse part, times P, against its own Adam updates d_i
+    (a one-rank dense twin computes them: the moments are the rank's own) plus the others' minus what they
+    still hold: P sum_t G_i = sum_t d_i + sum_{j != i} (sum_t d_j - v_j)."""
+    method, twin = DgcAdam(local_config(0.9)), DgcAdam(local_config(0.0))
+    applied, own = torch.zeros(128), torch.zeros(128)
+    for step, grad in enumerate(gradients(8, seed=rank + 1)):
+        out, alone = grad.clone(), grad.clone()
+        method.finish(out, ctx(step, world, rank))
+        twin.finish(alone, ctx(step))
+        applied += out[:128]
+        own += alone[:128]
+    assert method.velocity is not None
+    owns, pending = [torch.zeros(128) for _ in range(world)], [torch.zeros(128) for _ in range(world)]
+    dist.all_gather(owns, own)
+    dist.all_gather(pending, method.velocity)
+    expected = own + sum(owns[j] - pending[j] for j in range(world) if j != rank)
+    return float((world * applied - expected).abs().max())
+
+
+def _density_one(rank: int, world: int) -> float:
+    """At density 1 a rank's own update and the others' messages are everyone's updates: the plain method."""
+    local, plain = DgcAdam(local_config(0.0)), DgcAdam(local_config(0.0, local_update=False))
+    worst = 0.0
+    for step, grad in enumerate(gradients(5, seed=rank + 1)):
+        a, b = grad.clone(), grad.clone()
+        local.finish(a, ctx(step, world, rank))
+        plain.finish(b, ctx(step, world, rank))
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def _averaging(rank: int, world: int) -> dict:
+    """average_every = 2: replicas differ after step 1, agree after step 2; synchronize_params averages."""
+    method = DgcAdam(local_config(0.9, average_every=2))
+    params = torch.zeros(144)
+    spreads, averaged = [], []
+    for step, grad in enumerate(gradients(3, seed=rank + 1)):
+        method.finish(grad, ctx(step, world, rank))
+        params -= 0.1 * grad
+        averaged.append(method.after_step(params, ctx(step, world, rank)).bytes_sent)
+        spreads.append(_spread(params))
+    synced = method.synchronize_params(params, ctx(3, world, rank)).bytes_sent
+    spreads.append(_spread(params))
+    again = method.synchronize_params(params, ctx(3, world, rank)).bytes_sent
+    return {"spreads": spreads, "averaged": averaged, "synced": synced, "again": again}
+
+
+def _spread(params: torch.Tensor) -> float:
+    hi, lo = params.clone(), params.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())
+
+
+def _local_update_scenarios(rank: int, world: int) -> dict:
+    return {
+        "ledger": _ledger(rank, world),
+        "density_one": _density_one(rank, world),
+        "averaging": _averaging(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_local_update_scenarios, 2)
+
+
+def test_local_update_applies_its_own_update_in_full_and_the_others_as_sent(two_ranks: list[dict]) -> None:
+    for result in two_ranks:
+        assert result["ledger"] <= 1e-5, result
+
+
+def test_local_update_at_density_one_is_the_plain_method(two_ranks: list[dict]) -> None:
+    for result in two_ranks:
+        assert result["density_one"] <= 1e-6, result
+
+
+def test_local_update_averages_parameters_periodically_and_before_eval(two_ranks: list[dict]) -> None:
+    for result in two_ranks:
+        avg = result["averaging"]
+        assert avg["spreads"][0] > 0 and avg["spreads"][1] == 0 and avg["spreads"][2] > 0
+        assert avg["spreads"][3] == 0
+        assert avg["averaged"] == [0, 144 * 4, 0]
+        assert avg["synced"] == 144 * 4 and avg["again"] == 0
+
+
+def test_only_local_update_lets_replicas_drift_and_its_counter_resumes() -> None:
+    assert not DgcAdam(local_config(0.9, local_update=False)).replicas_drift
+    method = DgcAdam(local_config(0.9, average_every=3))
+    assert method.replicas_drift
+    params = torch.zeros(144)
+    for step, grad in enumerate(gradients(2)):
+        method.finish(grad, ctx(step))
+        method.after_step(params, ctx(step))
+    twin = DgcAdam(local_config(0.9, average_every=3))
+    twin.load_state_dict(method.state_dict())
+    assert twin.averaging.steps_since_average == 2
+    with pytest.raises(ValueError, match=r"^exchange.dgc_adam.average_every must be >= 1"):
+        local_config(0.9, average_every=0).validate()
