@@ -323,7 +323,8 @@ per-step-quality|all)
       "${plain[@]}" --out "models/per-step-quality/$recipe-dgc.md" "${PQ[@]}" --run dgc-99 "${DGC[@]}" train.momentum=0 $W
     else  # Adam's: replace at 99.9% (sum hurts with Adam), and error feedback on the Adam update (dgc_adam)
       UPDATE_AS_IS=(train.optimizer=sgd train.clip_norm=0)  # dgc_adam returns the Adam update: SGD applies it as is
-      DGC_ADAM_COMMON=(exchange.warmup_steps=500 "${UPDATE_AS_IS[@]}")
+      # the plain method (no local update; the only one when these runs were recorded, 2026-12-05 and 06)
+      DGC_ADAM_COMMON=(exchange.warmup_steps=500 "${UPDATE_AS_IS[@]}" exchange.dgc_adam.local_update=false)
       # lr1.41: does a larger step close dgc_adam's gap (the per-rank second moment sees half the batch)?
       # density1 (1,000 steps): the same method with nothing dropped, to split its lag between the dropping
       # and the per-rank moments
@@ -335,21 +336,21 @@ per-step-quality|all)
         --run dgc_adam-99-lr1.41 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
           train.lr=0.0042426 \
         --run dgc_adam-density1 exchange.method=dgc_adam exchange.drop_ratio=0 exchange.warmup_steps=0 \
-          "${UPDATE_AS_IS[@]}" train.max_steps=1000
+          "${UPDATE_AS_IS[@]}" exchange.dgc_adam.local_update=false train.max_steps=1000
       # the two Adam remedies of the plain grid together: averaging every 10 steps and the 500-step warm-up;
       # then dgc_adam with local_mix's dense local term (each rank applies its own Adam update in full), the
       # remedy dgc_adam-density1 points to, at the same averaging intervals
-      LOCAL_UPDATE=(exchange.dgc_adam.local_update=true)
+      LOCAL_UPDATE=(exchange.warmup_steps=500 "${UPDATE_AS_IS[@]}" exchange.dgc_adam.local_update=true)
       "${plain[@]}" --out "models/per-step-quality/$recipe-combined.md" "${PQ[@]}" \
         --run local_mix-99-avg10-warmup500 "${LM99[@]}" $REPLACE exchange.warmup_steps=500 \
           exchange.local_mix.average_every=10 \
         --run local_mix-99.9-avg10-warmup500 exchange.method=local_mix exchange.drop_ratio=0.999 $REPLACE \
           exchange.warmup_steps=500 exchange.local_mix.average_every=10 \
-        --run dgc_adam-99-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+        --run dgc_adam-99-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.99 \
           "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=10 \
-        --run dgc_adam-99.9-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.999 "${DGC_ADAM_COMMON[@]}" \
+        --run dgc_adam-99.9-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.999 \
           "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=10 \
-        --run dgc_adam-99-local-avg100 exchange.method=dgc_adam exchange.drop_ratio=0.99 "${DGC_ADAM_COMMON[@]}" \
+        --run dgc_adam-99-local-avg100 exchange.method=dgc_adam exchange.drop_ratio=0.99 \
           "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=100
     fi
     "${watched[@]}" --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"

@@ -29,12 +29,17 @@ METHODS = {
     ],
     "dgc": ["exchange.method=dgc", "train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0"],
     "dgc_adam": ["exchange.method=dgc_adam", "train.optimizer=sgd", "train.clip_norm=0"],
-    "dgc_adam-local": [
+    "dgc_adam-avg5": [
         "exchange.method=dgc_adam",
         "train.optimizer=sgd",
         "train.clip_norm=0",
-        "exchange.dgc_adam.local_update=true",
         "exchange.dgc_adam.average_every=5",
+    ],
+    "dgc_adam-plain": [
+        "exchange.method=dgc_adam",
+        "train.optimizer=sgd",
+        "train.clip_norm=0",
+        "exchange.dgc_adam.local_update=false",
     ],
     "sbc": ["exchange.method=sbc", "exchange.sbc.delay=3", "exchange.sbc.density=0.01"],
     "local_sgd": ["exchange.method=local_sgd", "exchange.local_sgd.sync_every=4"],

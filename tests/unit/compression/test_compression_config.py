@@ -62,7 +62,7 @@ EXAMPLES: dict[str, object] = {
     "dgc_adam.variance_every": 50,
     "dgc_adam.local_clip_norm": 0.5,
     "dgc_adam.momentum_masking": True,
-    "dgc_adam.local_update": True,
+    "dgc_adam.local_update": False,
     "dgc_adam.average_every": 25,
     "sbc.delay": 3,
     "sbc.density": 0.5,

@@ -26,13 +26,12 @@ def gradients(steps: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(144, generator=gen) * (1 + (torch.arange(144) % 7)) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("variance_every", [0, 1])
-def test_one_rank_at_density_one_is_torch_adam(variance_every: int) -> None:
-    config = ExchangeConfig(
-        method="dgc_adam",
-        drop_ratio=0.0,
-        dgc_adam=DgcAdamOptions(local_clip_norm=0.0, variance_every=variance_every, eps=1e-8),
+@pytest.mark.parametrize(("variance_every", "local_update"), [(0, False), (1, False), (0, True)])
+def test_one_rank_at_density_one_is_torch_adam(variance_every: int, local_update: bool) -> None:
+    options = DgcAdamOptions(
+        local_clip_norm=0.0, variance_every=variance_every, eps=1e-8, local_update=local_update
     )
+    config = ExchangeConfig(method="dgc_adam", drop_ratio=0.0, dgc_adam=options)
     method = DgcAdam(config)
     param = torch.zeros(144, requires_grad=True)
     adam = torch.optim.Adam([param], lr=0.01, betas=(0.9, 0.98), eps=1e-8)
@@ -46,8 +45,14 @@ def test_one_rank_at_density_one_is_torch_adam(variance_every: int) -> None:
     torch.testing.assert_close(ours, param.detach(), rtol=1e-5, atol=1e-6)
 
 
+def plain_config() -> ExchangeConfig:
+    """The method without its local update: what a rank applies is only what the ranks sent."""
+    options = DgcAdamOptions(local_update=False)
+    return ExchangeConfig(method="dgc_adam", drop_ratio=0.9, threshold_estimator="exact", dgc_adam=options)
+
+
 def test_what_is_not_sent_stays_pending_and_a_resumed_copy_continues_the_same() -> None:
-    config = ExchangeConfig(method="dgc_adam", drop_ratio=0.9, threshold_estimator="exact")
+    config = plain_config()
     method = DgcAdam(config)
     grads = gradients(12)
     for step, grad in enumerate(grads[:6]):
@@ -57,7 +62,7 @@ def test_what_is_not_sent_stays_pending_and_a_resumed_copy_continues_the_same() 
         assert 0 < int((sent != 0).sum()) <= 0.1 * 128 * config.capacity_factor + 1
         assert stats.bytes_sent > 0
     assert method.velocity is not None and float(method.velocity.abs().sum()) > 0  # the pending update
-    twin = DgcAdam(ExchangeConfig(method="dgc_adam", drop_ratio=0.9, threshold_estimator="exact"))
+    twin = DgcAdam(plain_config())
     twin.load_state_dict(method.state_dict())
     for step, grad in enumerate(grads[6:], start=6):
         a, b = grad.clone(), grad.clone()
