@@ -54,3 +54,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         args_ = (world_size, tmp, fn, args, timeout_s)
         mp.start_processes(_entry, args=args_, nprocs=world_size, join=True, start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def spread_across_ranks(tensor: torch.Tensor) -> float:
+    """The largest difference between the ranks' copies of `tensor` (0 when every rank holds the same)."""
+    hi, lo = tensor.clone(), tensor.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())

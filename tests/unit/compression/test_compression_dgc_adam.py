@@ -12,7 +12,7 @@ from compression.dgc_adam import DgcAdam, is_refresh_step
 from compression.protocol import ParamSpan, StepContext
 from compression.registry import check_exchange
 
-from gloo_harness import run_ranks
+from gloo_harness import run_ranks, spread_across_ranks
 
 LAYOUT = [ParamSpan("w", 0, (8, 16), "matrix"), ParamSpan("b", 128, (16,), "vector")]
 
@@ -145,18 +145,11 @@ def _averaging(rank: int, world: int) -> dict:
         method.finish(grad, ctx(step, world, rank))
         params -= 0.1 * grad
         averaged.append(method.after_step(params, ctx(step, world, rank)).bytes_sent)
-        spreads.append(_spread(params))
+        spreads.append(spread_across_ranks(params))
     synced = method.synchronize_params(params, ctx(3, world, rank)).bytes_sent
-    spreads.append(_spread(params))
+    spreads.append(spread_across_ranks(params))
     again = method.synchronize_params(params, ctx(3, world, rank)).bytes_sent
     return {"spreads": spreads, "averaged": averaged, "synced": synced, "again": again}
-
-
-def _spread(params: torch.Tensor) -> float:
-    hi, lo = params.clone(), params.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return float((hi - lo).max())
 
 
 def _local_update_scenarios(rank: int, world: int) -> dict:

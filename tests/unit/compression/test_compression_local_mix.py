@@ -12,7 +12,7 @@ from compression.config import ExchangeConfig, LocalMixOptions
 from compression.dense import DenseAllReduce
 from compression.local_mix import LocalMix
 
-from gloo_harness import run_ranks
+from gloo_harness import run_ranks, spread_across_ranks
 
 LAYOUT = [
     ParamSpan("w1", 0, (20, 30), "matrix"),
@@ -88,18 +88,11 @@ def _averaging(rank: int, world: int) -> dict:
         params -= 0.1 * g  # an SGD step
         stats = ex.after_step(params, ctx(t, world, rank))
         bytes_avg.append(stats.bytes_sent)
-        spreads.append(_spread(params))
+        spreads.append(spread_across_ranks(params))
     sync = ex.synchronize_params(params, ctx(3, world, rank))
-    spreads.append(_spread(params))
+    spreads.append(spread_across_ranks(params))
     again = ex.synchronize_params(params, ctx(3, world, rank))  # nothing happened since: no collective
     return {"spreads": spreads, "bytes": bytes_avg, "sync_bytes": sync.bytes_sent, "again": again.bytes_sent}
-
-
-def _spread(params: torch.Tensor) -> float:
-    hi, lo = params.clone(), params.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return float((hi - lo).max())
 
 
 def _scenarios(rank: int, world: int) -> dict:
