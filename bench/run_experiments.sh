@@ -351,6 +351,8 @@ per-step-quality|all)
         --run dgc_adam-99.9-local-avg10 exchange.method=dgc_adam exchange.drop_ratio=0.999 \
           "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=10 \
         --run dgc_adam-99-local-avg100 exchange.method=dgc_adam exchange.drop_ratio=0.99 \
+          "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=100 \
+        --run dgc_adam-99.9-local-avg100 exchange.method=dgc_adam exchange.drop_ratio=0.999 \
           "${LOCAL_UPDATE[@]}" exchange.dgc_adam.average_every=100
     fi
     "${watched[@]}" --out "models/per-step-quality/$recipe-watched.md" "${PQ[@]}" "${PQ_WATCHED[@]}"
