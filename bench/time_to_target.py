@@ -75,6 +75,13 @@ DILOCO_OUTER = (
     ("exchange.diloco.outer_lr=0.7", "exchange.diloco.outer_momentum=0.5"),
     ("exchange.diloco.outer_lr=1", "exchange.diloco.outer_momentum=0"),
 )
+# dgc_adam as docs/results.md section 10 recommends it: error feedback on the Adam update, each rank's own
+# update applied in full (the local update, on by default), the parameters averaged every 100 steps (the
+# default); dgc_adam returns the Adam update, so plain SGD without clipping applies it as it is
+DGC_ADAM = (
+    "exchange.method=dgc_adam", "exchange.warmup_steps=500", "exchange.dgc_adam.local_update=true",
+    "exchange.dgc_adam.average_every=100", "train.optimizer=sgd", "train.clip_norm=0",
+)  # fmt: skip
 SPARSE_PSEUDO = (
     "exchange.method=diloco", "exchange.diloco.sync_every=50", "exchange.diloco.density=0.01",
     "exchange.quantize_bits=2", "exchange.threshold=layer", "exchange.position_code=golomb",
@@ -145,6 +152,8 @@ METHODS = [
     ),
     Method("local_mix-99", (*LOCAL_MIX, "exchange.drop_ratio=0.99")),
     Method("local_mix-99.9", (*LOCAL_MIX, "exchange.drop_ratio=0.999")),
+    Method("dgc_adam-99-local", (*DGC_ADAM, "exchange.drop_ratio=0.99")),
+    Method("dgc_adam-99.9-local", (*DGC_ADAM, "exchange.drop_ratio=0.999")),
     Method("dgc-99", DGC, recipe=SGD_RECIPE),
     Method("sbc-delay-10", ("exchange.method=sbc", "exchange.sbc.preset=delay-10")),
 ]
@@ -325,7 +334,7 @@ def resolve(out: Path, names: list[str], link: str = "100mbit") -> list[str]:
 
 def other_optimizer(method: Method) -> Method | None:
     """The same method with the other recipe's optimizer and the setting its sweep chose (no sweep of its
-    own); DGC is momentum SGD by definition (None)."""
+    own); DGC is momentum SGD and dgc_adam is Adam by definition (None)."""
     if method.name.startswith("dgc"):
         return None
     recipe, suffix = (SGD_RECIPE, "sgd") if method.recipe == ADAM_RECIPE else (ADAM_RECIPE, "adam")

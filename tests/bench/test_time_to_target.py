@@ -135,8 +135,9 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
         "--measure",
         "dense-fp32@1gbit",
     ]
-    methods = ["dense-fp32", "dense-bf16", "diloco-50", "streaming-diloco-50", "dgc-99"]
-    assert ttt.main([*argv, "--methods", *methods, "--other-optimizer", "diloco-50", "dgc-99"]) == 0
+    methods = ["dense-fp32", "dense-bf16", "diloco-50", "streaming-diloco-50", "dgc-99", "dgc_adam-99-local"]
+    others = ["diloco-50", "dgc-99", "dgc_adam-99-local"]
+    assert ttt.main([*argv, "--methods", *methods, "--other-optimizer", *others]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time-to-target]")]
     planned = [
         line.split(":", 1)[0].removeprefix("[time-to-target] ").removesuffix(" (resuming)") for line in lines
@@ -146,13 +147,17 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
     assert "dense-fp32@100mbit" not in planned and "dense-fp32@1gbit~probe" in planned
     assert "dense-fp32@1gbit" in planned  # --measure: in full too, the check of the derivation
     assert "diloco-50@1gbit" in planned and "diloco-50-sgd@1gbit" in planned
-    assert not any(p.startswith("dgc-99-") for p in planned)  # DGC has no Adam twin
+    # DGC is momentum SGD and dgc_adam Adam by definition: no other-optimizer twins
+    assert not any(p.startswith(("dgc-99-", "dgc_adam-99-local-")) for p in planned)
     by_label = {p: line for p, line in zip(planned, lines)}
     assert "valid.target_bleu=9.5" in by_label["diloco-50@100mbit"]
     assert "exchange.diloco.outer_momentum=0.5" in by_label["diloco-50@100mbit"]
     assert "exchange.diloco.outer_momentum=0.5" in by_label["streaming-diloco-50@100mbit"]
     assert "recipes/bible-es-en.yml" in by_label["diloco-50-sgd@100mbit"]
     assert "recipes/bible-es-en.yml" in by_label["dgc-99@100mbit"]
+    ours = by_label["dgc_adam-99-local@100mbit"]  # Adam's error feedback on the update, applied as it is
+    assert "recipes/bible-es-en-adam.yml" in ours and "exchange.dgc_adam.local_update=true" in ours
+    assert "train.optimizer=sgd" in ours and "exchange.drop_ratio=0.99" in ours
     probe = by_label["dense-bf16@100mbit~probe"]
     assert "train.max_steps=300" in probe and "valid.target_bleu" not in probe and "max_train_s=0" in probe
 
