@@ -81,6 +81,7 @@ archive_time_to_target() {
   cp "$out"/target.json "$out"/sweep.json "$out"/summary-*.json "$out"/points.jsonl "$out"/table.md \
     "$out"/*.png "$plots"/
   for run in "$out"/runs/*@*; do
+    [ -e "$run/metrics.jsonl" ] || continue  # started, nothing logged yet
     mkdir -p "$runs/${run##*/}"
     cp "$run"/metrics.jsonl "$run"/config.yml "$runs/${run##*/}"/
   done
