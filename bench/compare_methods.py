@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ DEFAULT_RUNS: list[tuple[str, list[str]]] = [
 PARAMS_LINE = re.compile(r"nmt-train: ([\d,]+) parameters")
 LOG_FILE = "compare.log"
 RUN_FILE = "compare_run.json"
-ARCHIVED = ("metrics.jsonl", RUN_FILE, LOG_FILE, "config.yml", "train.log", "anatomy.jsonl")  # no weights
+# no weights; machine.json: bench/time_to_target.py's machine checks of the run
+ARCHIVED = ("metrics.jsonl", RUN_FILE, LOG_FILE, "config.yml", "train.log", "anatomy.jsonl", "machine.json")
 
 
 @dataclass
@@ -183,9 +185,14 @@ def train(run: RunSummary, args: argparse.Namespace, nmt_train: str) -> None:
     print(f"[{run.name}] exit {run.returncode} after {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
-def archive(run: RunSummary, archive_dir: Path | None) -> None:
-    """Copy a finished run's record to archive_dir/NAME (ARCHIVED files that exist)."""
-    if archive_dir is None or not _finished(run.model_dir):
+def archive(
+    run: RunSummary, archive_dir: Path | None, finished: Callable[[Path], bool] | None = None
+) -> None:
+    """Copy a finished run's record to archive_dir/NAME (ARCHIVED files that exist).
+
+    `finished` says whether a record is complete (default: it has a test row or its last checkpoint says so);
+    bench/time_to_target.py passes its own, for its probes, which end after a fixed number of steps."""
+    if archive_dir is None or not (finished or _finished)(run.model_dir):
         return
     target = archive_dir / run.name
     target.mkdir(parents=True, exist_ok=True)
@@ -194,12 +201,14 @@ def archive(run: RunSummary, archive_dir: Path | None) -> None:
             shutil.copy2(run.model_dir / name, target / name)
 
 
-def restore(run: RunSummary, archive_dir: Path | None) -> bool:
+def restore(
+    run: RunSummary, archive_dir: Path | None, finished: Callable[[Path], bool] | None = None
+) -> bool:
     """A run without a model_dir whose finished record is archived: copy it back; True if restored."""
     if archive_dir is None or run.model_dir.exists():
         return False
     source = archive_dir / run.name
-    if not _finished(source):
+    if not (finished or _finished)(source):
         return False
     run.model_dir.mkdir(parents=True)
     for name in ARCHIVED:

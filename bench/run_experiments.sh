@@ -72,21 +72,6 @@ sparse_overlap_at_100mbit() {
     --json "docs/netbed-$out.jsonl" --out "docs/netbed-$out.md"
 }
 
-# The time-to-target grid's records into the repository, so that its figures outlive models/: the report (target,
-# sweep picks, per-link summaries, every point, the table, the plots) to docs/plots/time-to-target/, and every
-# run's metrics.jsonl and config.yml to docs/runs/time-to-target/RUN/.
-archive_time_to_target() {
-  local out=models/time-to-target plots=docs/plots/time-to-target runs=docs/runs/time-to-target
-  mkdir -p "$plots" "$runs"
-  cp "$out"/target.json "$out"/sweep.json "$out"/summary-*.json "$out"/points.jsonl "$out"/table.md \
-    "$out"/*.png "$plots"/
-  for run in "$out"/runs/*@*; do
-    [ -e "$run/metrics.jsonl" ] || continue  # started, nothing logged yet
-    mkdir -p "$runs/${run##*/}"
-    cp "$run"/metrics.jsonl "$run"/config.yml "$runs/${run##*/}"/
-  done
-}
-
 # The 4-worker local-update runs (local-updates-workers and its rerun): the 2-worker settings at half the
 # per-worker batch, so a step holds the same tokens.
 LU4=(--common train.max_wall_s=0 --common "train.max_steps=${LU_STEPS:-1500}" --common valid.every=500
@@ -171,7 +156,10 @@ time-to-target)
   # 1 Gbit/s bed links, every method capped at 60 training minutes, the local-update family swept first; then
   # 4 hosts at 100 Mbit/s (dense, the best DiLoCo, our best). Tens of CPU hours: resumable, rerun to continue.
   # TTT_OTHER names the three best for their run with the other optimizer once the 2-host tables stand.
-  TTT=(--out-dir models/time-to-target --reference-s 1200 --cap-s "${CAP_S:-3600}" --every-s 120)
+  # Each finished run's record goes to docs/runs/time-to-target/ (and comes back from there into a fresh
+  # checkout's models/), the report to docs/plots/time-to-target/, so that the figures outlive models/.
+  TTT=(--out-dir models/time-to-target --reference-s 1200 --cap-s "${CAP_S:-3600}" --every-s 120
+       --archive docs/runs/time-to-target --plots docs/plots/time-to-target)
   # the vocabulary of the per-step-quality runs (section 10), where `make corpus` has built it
   mkdir -p models/time-to-target
   [ -e models/time-to-target/spm.model ] || [ ! -e models/bible-es-en/spm.model ] ||
@@ -179,7 +167,6 @@ time-to-target)
   $PY bench/time_to_target.py "${TTT[@]}" --links 100mbit 1gbit --measure dense-fp32@1gbit \
     --other-optimizer ${TTT_OTHER:-}
   $PY bench/time_to_target.py "${TTT[@]}" --links 100mbit-4h
-  archive_time_to_target
   ;;
 overlap|all)
   # exchange.overlap: dense step time at 1 Gbit/s, 2 bed hosts, without / with / without overlap, in one run

@@ -19,13 +19,19 @@ know how soon each method gives a model worth keeping. So here:
     the other recipe (Adam <-> momentum SGD), so the optimizer is not the confounder;
   - `100mbit-4h` is the 100 Mbit/s link with 4 bed hosts (4 workers), against the same target.
 Output (--out-dir): target.json, sweep.json, points.jsonl, summary-LINK.json (the figures a script reads),
-table.md, and per link two plots (dev BLEU against training time and against bytes sent, the target drawn).
+table.md, and per link two plots (dev BLEU against training time and against bytes sent, the target drawn);
+--plots DIR copies them there.
 
-Every run lives in its own model directory: a finished run is skipped, an unfinished one resumes exactly, so
-the grid spans sittings. Needs root for the bed (network namespaces); --dry-run prints the commands.
+Every run lives in its own model directory: a finished run is skipped, an unfinished one starts again (the
+runs write no checkpoint before their end, train.save_every=0, as a save would cost training time), so the
+grid spans sittings. --archive DIR keeps each finished run's record (rows, config, log; no weights) in DIR,
+which can be committed, and restores it from there into a fresh checkout, which then skips and reports it.
+Needs root for the bed (network namespaces); --dry-run prints the commands.
 
-    python bench/time_to_target.py --out-dir models/time-to-target --links 100mbit 1gbit
-    python bench/time_to_target.py --out-dir models/time-to-target --report-only
+    python bench/time_to_target.py --out-dir models/time-to-target --links 100mbit 1gbit \\
+        --archive docs/runs/time-to-target --plots docs/plots/time-to-target
+    python bench/time_to_target.py --out-dir models/time-to-target --report-only \\
+        --archive docs/runs/time-to-target
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ import argparse
 import importlib.util
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,19 +54,18 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
-def _load_time_to_bleu():
-    """bench/time_to_bleu.py (the early-target benchmark), whose run helpers this one shares."""
-    spec = importlib.util.spec_from_file_location(
-        "time_to_bleu", Path(__file__).resolve().parent / "time_to_bleu.py"
-    )
+def _load_bench(name: str):
+    """bench/NAME.py, a sibling script whose helpers this one shares."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("time_to_bleu", module)
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-ttb = _load_time_to_bleu()
+ttb = _load_bench("time_to_bleu")  # the early-target benchmark: launching a run on the bed, reading its rows
+records = _load_bench("compare_methods")  # archiving a finished run's record, restoring it in a later session
 read_metrics, finished, launch, time_to = ttb.read_metrics, ttb.finished, ttb.launch, ttb.time_to
 
 ADAM_RECIPE = "recipes/bible-es-en-adam.yml"  # Adam, lr 0.003 with a 100-step warm-up
@@ -212,23 +219,25 @@ def train_command(
     ]  # fmt: skip
 
 
-def probe_command(args: argparse.Namespace, model_dir: Path, method: Method, link: Link) -> list[str]:
+def probe_command(
+    args: argparse.Namespace, model_dir: Path, method: Method, link: Link, steps: int | None = None
+) -> list[str]:
     """A few hundred steps on the link, no validation: the link's seconds per step for a derived row."""
     command = train_command(args, model_dir, method, link, 0, 0.0)
     drop = ("train.max_steps=", "valid.every_train_s=", "valid.target_bleu=", "valid.test_at_end=")
     command = [c for c in command if not c.startswith(drop)]
     return [
         *command,
-        f"train.max_steps={args.probe_steps}",
+        f"train.max_steps={steps or args.probe_steps}",
         "valid.test_at_end=false",
         "valid.translate=false",
     ]
 
 
 def execute(args: argparse.Namespace, label: str, command: list[str], link: Link, timeout_s: float) -> None:
+    """Run one row unless it has finished (here, or in a record sync_archive restored), then archive it."""
     model_dir = Path(next(c for c in command if c.startswith("model_dir=")).split("=", 1)[1])
-    done = _probe_done(model_dir, args.probe_steps) if label.endswith("~probe") else finished(model_dir)
-    if done:
+    if complete(model_dir, args.probe_steps):
         print(f"[time-to-target] {label}: finished, skipped", flush=True)
         return
     resumed = " (resuming)" if (model_dir / "last").exists() else ""
@@ -236,14 +245,97 @@ def execute(args: argparse.Namespace, label: str, command: list[str], link: Link
     if args.dry_run:
         return
     model_dir.parent.mkdir(parents=True, exist_ok=True)
+    before = machine_check(args, f"{model_dir.name}-before", reuse_within_s=300)
     started = time.monotonic()
     ok = launch(command, link.bandwidth, args.out_dir / "logs" / label, timeout=timeout_s, hosts=link.hosts)
     minutes = (time.monotonic() - started) / 60
     print(f"[time-to-target] {label}: {'done' if ok else 'FAILED'} in {minutes:.1f} min", flush=True)
+    after = machine_check(args, f"{model_dir.name}-after")
+    if model_dir.is_dir() and (before or after):
+        (model_dir / MACHINE_FILE).write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
+    sync_archive(args)
 
 
-def _probe_done(model_dir: Path, steps: int) -> bool:
-    return any(r["kind"] == "train" and r["step"] >= steps for r in read_metrics(model_dir))
+# ------------------------------------------------------------------------------------------------ the machine
+MACHINE_FILE = "machine.json"  # a run's machine checks, before and after it
+SLOW_MACHINE = 1.10  # a check this much slower than the reference's same steps: the run is marked for a rerun
+_last_check: dict = {}  # this process's latest check: a run right after another reuses its "after"
+
+
+def machine_check(args: argparse.Namespace, name: str, reuse_within_s: float = 0) -> dict | None:
+    """How fast the machine is now: the reference run's first --control-steps steps again, over loopback,
+    against the reference's own seconds per step at those steps (factor > 1: slower now).
+
+    Why: every figure here is training time on a shared 2-core machine, and that machine's speed drifts
+    between sittings (up to 1.54x for docs/results.md section 11). A method timed while the machine runs
+    slower than it ran for the reference and the probes looks worse than it is. The check shows which rows
+    can be compared (the `machine` column) and marks the others for a rerun; it also checks that the
+    training rows come out identical (the same arithmetic as the reference)."""
+    steps = args.control_steps
+    reference_dir = run_dir(args.out_dir, REFERENCE, "loopback")
+    reference = [r for r in read_metrics(reference_dir) if r["kind"] == "train" and r["step"] <= steps]
+    if steps <= 0 or not reference or reference[-1]["step"] < steps or args.dry_run:
+        return None
+    if _last_check and time.monotonic() - _last_check["monotonic"] <= reuse_within_s:
+        return _last_check["result"]
+    model_dir = args.out_dir / "controls" / name
+    shutil.rmtree(model_dir, ignore_errors=True)
+    method = with_recipe(Method(REFERENCE, BY_NAME["dense-fp32"].overrides, family="dense"), args)
+    command = probe_command(args, model_dir, method, LINKS["loopback"], steps)
+    if not launch(command, None, args.out_dir / "logs" / f"control-{name}", timeout=1800):
+        return None
+    control = [r for r in read_metrics(model_dir) if r["kind"] == "train"]
+    result = {**machine_factor(reference, control), "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(
+        f"[time-to-target] machine check {name}: {result['factor']:.2f}x the reference's s/step", flush=True
+    )
+    _last_check.update(monotonic=time.monotonic(), result=result)
+    return result
+
+
+def machine_factor(reference_train: list[dict], control_train: list[dict]) -> dict:
+    """The check's seconds per step over the reference's at the same steps, and whether its rows agree."""
+    steps = {r["step"] for r in control_train}
+    reference_s = step_seconds([r for r in reference_train if r["step"] in steps])["step_s"]
+    control_s = step_seconds(control_train)["step_s"]
+    return {
+        "steps": max(steps),
+        "step_s": control_s,
+        "reference_step_s": reference_s,
+        "factor": control_s / reference_s,
+        "identical": identical_rows(reference_train, control_train),
+    }
+
+
+def machine_of(model_dir: Path) -> float | None:
+    """A run's machine factor: the slower of its checks (None: the run has none, e.g. older records)."""
+    path = model_dir / MACHINE_FILE
+    if not path.exists():
+        return None
+    checks = [c for c in json.loads(path.read_text()).values() if c]
+    return max(c["factor"] for c in checks) if checks else None
+
+
+def sync_archive(args: argparse.Namespace) -> None:
+    """--archive: copy every complete run's record there, and copy every complete record found there whose run
+    directory is missing back under --out-dir/runs, so that a later session (a fresh checkout) skips those
+    rows and reports them. Incomplete runs stay out of the archive: they are rerun.
+    A dry run restores only."""
+    if args.archive is None:
+        return
+    done_here = partial(complete, probe_steps=args.probe_steps)
+    for model_dir in sorted((args.out_dir / "runs").glob("*@*")) if not args.dry_run else []:
+        records.archive(records.RunSummary(model_dir.name, [], model_dir), args.archive, finished=done_here)
+    for source in sorted(args.archive.glob("*@*")):
+        run = records.RunSummary(source.name, [], args.out_dir / "runs" / source.name)
+        records.restore(run, args.archive, finished=done_here)
+
+
+def complete(model_dir: Path, probe_steps: int) -> bool:
+    """A run's record is complete: a probe (NAME~probe@LINK) has its steps, a run its test row."""
+    if model_dir.name.partition("@")[0].endswith("~probe"):
+        return any(r["kind"] == "train" and r["step"] >= probe_steps for r in read_metrics(model_dir))
+    return finished(model_dir)
 
 
 # ------------------------------------------------------------------------------------------------ the grid
@@ -377,6 +469,8 @@ def run_grid(args: argparse.Namespace) -> None:
                 variant = with_recipe(variant, args)
                 command = train_command(args, model_dir, variant, loopback, args.reference_s, target)
                 execute(args, f"{name}@loopback", command, loopback, timeout)
+    if args.sweep_only:
+        return
     for link_name in args.links:
         link = LINKS[link_name]
         names = resolve(args.out_dir, list(FOUR_HOSTS)) if link.hosts == 4 and not args.methods else wanted
@@ -501,8 +595,10 @@ def summarize(out: Path, target: float) -> dict[str, dict]:
                 f"{method} (derived)" if method in runs else method
             )  # beside its measured run (sorted first)
             runs[key] = derived_record(run_record(base_metrics, target), base_train, probe_train)
+            runs[key]["machine"] = machine_of(model_dir)  # the probe's: its s/step makes the row's time
         elif metrics:
-            runs[REFERENCE if name == REFERENCE else name] = run_record(metrics, target)
+            machine = 1.0 if name == REFERENCE else machine_of(model_dir)  # the reference sets the speed
+            runs[name] = {**run_record(metrics, target), "machine": machine}
     for block in summary.values():
         runs = block["runs"]
         dense = (runs.get("dense-fp32") or runs.get(REFERENCE) or {}).get("time_s", {}).get("1.0")
@@ -518,7 +614,8 @@ def summarize(out: Path, target: float) -> dict[str, dict]:
             run["vs_dense_fp32"] = t / dense if t and dense else None
             run["vs_powersgd"] = t / powersgd if t and powersgd else None
             run["vs_diloco"] = t / diloco if t and diloco else None
-    return summary
+    order = sorted(LINKS, key=lambda k: LINKS[k].bandwidth is None)  # the bed links first, then loopback
+    return {link: summary[link] for link in [*order, *summary] if link in summary}
 
 
 def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
@@ -529,15 +626,23 @@ def _minutes(seconds: float | None) -> str:
     return "not reached" if seconds is None else f"{seconds / 60:.1f} min"
 
 
+def _machine(factor: float | None) -> str:
+    """The machine column: the run's check against the reference's speed (`-`: no check was recorded)."""
+    if factor is None:
+        return "-"
+    return f"{factor:.2f}x" + (" (slower: rerun)" if factor > SLOW_MACHINE else "")
+
+
 def table(summary: dict[str, dict], sweep: dict) -> str:
     lines = []
     for link, block in summary.items():
         lines.append(f"\n### {link} (target: dev BLEU {block['target_bleu']:.2f})\n")
         lines.append(
             "| method | optimizer | setting | steps | s/step | exchange s/step | MB/step | 50% | 80% "
-            "| target | vs dense fp32 | vs PowerSGD | vs DiLoCo | final dev BLEU | test BLEU | derived |"
+            "| target | vs dense fp32 | vs PowerSGD | vs DiLoCo | final dev BLEU | test BLEU | derived "
+            "| machine |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, run in block["runs"].items():
             method = BY_NAME.get(name.removesuffix(" (derived)").removesuffix("-sgd").removesuffix("-adam"))
             optimizer = "Adam" if name == REFERENCE else (method.optimizer if method else "-")
@@ -556,7 +661,7 @@ def table(summary: dict[str, dict], sweep: dict) -> str:
                 _fmt(run["step_s"]), _fmt(run["exchange_s"], "{:.3f}"), _fmt(mb, "{:.3f}"),
                 _minutes(times["0.5"]), _minutes(times["0.8"]), _minutes(times["1.0"]),
                 _fmt(run["vs_dense_fp32"]), _fmt(run["vs_powersgd"]), _fmt(run["vs_diloco"]),
-                _fmt(run["final_dev_bleu"]), _fmt(run["test_bleu"]), derived,
+                _fmt(run["final_dev_bleu"]), _fmt(run["test_bleu"]), derived, _machine(run.get("machine")),
             ]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -574,7 +679,23 @@ def plots(summary: dict[str, dict], out: Path) -> list[Path]:
     return written
 
 
-def report(out: Path) -> dict[str, dict]:
+def report(out: Path, copy_to: Path | None = None) -> dict[str, dict]:
+    """Write the sweep's picks, the per-link summaries, the table and the plots to `out` (and copy_to)."""
+    summary = _report(out)
+    if copy_to is not None and summary:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        written = [
+            *sorted(out.glob("*.json")),
+            *sorted(out.glob("*.png")),
+            out / "points.jsonl",
+            out / "table.md",
+        ]
+        for path in written:
+            shutil.copy2(path, copy_to / path.name)
+    return summary
+
+
+def _report(out: Path) -> dict[str, dict]:
     target = target_of(out)
     if target is None:
         print("[time-to-target] no target yet (the reference run has not finished): nothing to report")
@@ -614,6 +735,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probe-steps", type=int, default=300, help="steps of a derived row's probe on the link"
     )
+    parser.add_argument(
+        "--control-steps", type=int, default=150,
+        help="steps of the machine check before and after each run (the reference's first steps; 0: off)",
+    )  # fmt: skip
     parser.add_argument("--dev-sentences", type=int, default=300)
     parser.add_argument("--links", nargs="+", default=["100mbit", "1gbit"], choices=sorted(LINKS))
     parser.add_argument("--methods", nargs="+", choices=sorted(BY_NAME), help="only these (default: all)")
@@ -625,14 +750,28 @@ def main(argv: list[str] | None = None) -> int:
         help="also run these with the other recipe's optimizer (Adam <-> momentum SGD)",
     )  # fmt: skip
     parser.add_argument("--common", nargs="*", default=[], help="overrides for every run")
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="run the named methods' sweeps on the loopback pair, no link",
+    )
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--archive", type=Path, default=None,
+        help="copy each complete run's record (rows, config, log; no weights) to ARCHIVE/NAME@LINK, and "
+        "restore the records found there whose run directory is missing (a later session, a fresh checkout)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--plots", type=Path, default=None, help="also copy the report (JSON, table, plots) here"
+    )
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    sync_archive(args)
     if not args.report_only:
         run_grid(args)
     if not args.dry_run:
-        report(args.out_dir)
+        report(args.out_dir, args.plots)
     return 0
 
 

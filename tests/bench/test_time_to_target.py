@@ -67,6 +67,46 @@ def test_a_derived_row_is_steps_over_loopback_times_the_links_seconds_per_step()
     assert ttt.derived_record(base, base_train, drifted)["identical"] is False
 
 
+def test_a_machine_check_times_the_references_first_steps_again_and_marks_a_slower_machine(
+    tmp_path: Path, monkeypatch
+):
+    """Before and after a run the reference's first steps run again; their s/step over the reference's at the
+    same steps is the run's machine factor, shown in the table and marked for a rerun above 1.10x."""
+    _write_run(
+        tmp_path, "reference", "loopback", [*_train_rows(400, 0.4, 26e6), *_valid_rows([(400, 160, 10)])]
+    )
+    launched = []
+
+    def fake_launch(command, bandwidth, log_dir, timeout, hosts=2):  # the check's rows, 1.5x slower
+        launched.append(command)
+        model_dir = Path(next(c for c in command if c.startswith("model_dir=")).split("=", 1)[1])
+        model_dir.mkdir(parents=True, exist_ok=True)
+        if "exchange.method=powersgd" in command:  # the run itself
+            rows = [*_train_rows(200, 0.5, 1e5), *_valid_rows([(200, 100.0, 10.0)])]
+            rows.append({"kind": "test", "step": 200, "bleu": 9.0})
+        else:
+            rows = _train_rows(150, 0.6, 26e6)
+        (model_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return True
+
+    monkeypatch.setattr(ttt, "launch", fake_launch)
+    monkeypatch.setattr(ttt, "_last_check", {})
+    (tmp_path / "spm.model").write_text("")  # the grid's vocabulary: there, so none is trained
+    argv = ["--out-dir", str(tmp_path), "--links", "1gbit", "--methods", "powersgd", "--control-steps", "150"]
+    assert ttt.main(argv) == 0
+    checks = [c for c in launched if "exchange.method=powersgd" not in c]
+    assert len(checks) == 2 and all(
+        "train.max_steps=150" in c and "exchange.method=dense" in c for c in checks
+    )
+    machine = json.loads((ttt.run_dir(tmp_path, "powersgd", "1gbit") / ttt.MACHINE_FILE).read_text())
+    assert machine["before"]["factor"] == pytest.approx(1.5) and machine["before"]["identical"] is True
+    assert machine["after"]["steps"] == 150 and machine["after"]["reference_step_s"] == pytest.approx(0.4)
+    run = json.loads((tmp_path / "summary-1gbit.json").read_text())["runs"]["powersgd"]
+    assert run["machine"] == pytest.approx(1.5)
+    assert "| 1.50x (slower: rerun) |" in (tmp_path / "table.md").read_text()
+    assert ttt.machine_factor(_train_rows(400, 0.4, 26e6), _train_rows(150, 0.42, 26e6))["factor"] < 1.1
+
+
 def test_the_sweep_picks_the_setting_soonest_to_the_target_else_the_best_score(tmp_path: Path):
     method = ttt.BY_NAME["diloco-50"]
     curves = {0: [(100, 60.0, 3.0)], 1: [(100, 60.0, 8.0), (200, 120.0, 10.0)], 2: [(200, 100.0, 10.0)]}
@@ -169,6 +209,7 @@ def test_a_tiny_grid_over_loopback_stops_each_run_at_the_target(write_config, tm
     argv = [
         "--recipe", str(config), "--out-dir", str(out), "--links", "loopback", "--methods", "dense-bf16",
         "--reference-s", "8", "--cap-s", "30", "--every-s", "2", "--dev-sentences", "8",
+        "--control-steps", "0",  # how many steps the tiny reference makes depends on the machine
     ]  # fmt: skip
     assert ttt.main(argv) == 0
     target = json.loads((out / "target.json").read_text())["target_bleu"]
@@ -180,3 +221,38 @@ def test_a_tiny_grid_over_loopback_stops_each_run_at_the_target(write_config, tm
     assert run["final_dev_bleu"] >= target and run["train_s"] < 30 and run["test_bleu"] is not None
     log = (ttt.run_dir(out, "dense-bf16", "loopback") / "train.log").read_text()
     assert "reached valid.target_bleu" in log
+
+
+def test_archived_records_come_back_into_a_fresh_checkout_which_skips_and_reports_them(
+    tmp_path: Path, capsys
+):
+    """A session archives its complete rows (a run with its test row, a probe with its steps; no weights), not
+    an unfinished run; a later session without models/ restores them, plans none of them again and reports
+    the same figures."""
+    first, second, archive, plots = (tmp_path / d for d in ("first", "second", "archive", "plots"))
+    reference_train = _train_rows(400, 0.6, 26e6)
+    _write_run(first, "reference", "loopback", [*reference_train, *_valid_rows([(400, 240.0, 10.0)])])
+    (ttt.run_dir(first, "reference", "loopback") / "step-00000400").mkdir()  # weights: not archived
+    _write_run(first, "dense-fp32~probe", "100mbit", _train_rows(300, 3.0, 26e6), test_bleu=None)
+    _write_run(first, "powersgd", "100mbit", _train_rows(100, 1.0, 1e5), test_bleu=None)  # killed: rerun
+    common = ["--links", "100mbit", "--methods", "dense-fp32", "powersgd", "--archive", str(archive)]
+    assert ttt.main(["--out-dir", str(first), *common, "--report-only", "--plots", str(plots)]) == 0
+    assert sorted(p.name for p in archive.iterdir()) == ["dense-fp32~probe@100mbit", "reference@loopback"]
+    assert sorted(p.name for p in (archive / "reference@loopback").iterdir()) == ["metrics.jsonl"]
+    first_summary = json.loads((plots / "summary-100mbit.json").read_text())
+    assert first_summary["runs"]["dense-fp32"]["time_s"]["1.0"] == pytest.approx(1200.0)
+    assert (plots / "table.md").read_text() == (first / "table.md").read_text()
+    assert (plots / "bleu_vs_time_100mbit.png").exists() and (plots / "target.json").exists()
+    capsys.readouterr()
+
+    assert ttt.main(["--out-dir", str(second), *common, "--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time-to-target] ")]
+    skipped = [
+        line.split(":")[0].removeprefix("[time-to-target] ") for line in lines if "finished, skipped" in line
+    ]
+    assert skipped == ["reference@loopback", "dense-fp32@100mbit~probe"]
+    assert any(line.startswith("[time-to-target] powersgd@100mbit: ") for line in lines)  # the unfinished one
+    assert ttt.main(["--out-dir", str(second), *common, "--report-only"]) == 0
+    second_summary = json.loads((second / "summary-100mbit.json").read_text())
+    assert second_summary["runs"]["dense-fp32"] == first_summary["runs"]["dense-fp32"]
+    assert "powersgd" in first_summary["runs"] and "powersgd" not in second_summary["runs"]  # not archived
