@@ -88,6 +88,20 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def latest_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """The largest of the ranks' `value`s, on every rank (one float64 all-reduce; without a group, `value`).
+
+    Why: each rank keeps its own training clock, a few milliseconds apart. A mark that one rank's clock
+    crossed must count as passed on every rank, or a rank a little behind crosses the same mark a step later
+    and calls for the same validation again.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    latest = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
+    return float(latest.item())
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

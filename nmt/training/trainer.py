@@ -29,7 +29,7 @@ from nmt.config import Config, ConfigError, save_config
 from nmt.data.batching import Batch
 from nmt.models.loss import label_smoothed_cross_entropy
 from nmt.training.cadence import Cadence, after_update
-from nmt.training.distributed import WorkerInfo
+from nmt.training.distributed import WorkerInfo, latest_over_ranks
 from nmt.training.divergence import DivergenceGuard
 from nmt.training.evaluator import Evaluator, Shard, stop_early
 from nmt.training.metrics import Limits, MetricsLog, Progress
@@ -383,7 +383,9 @@ class Trainer:
         }
         with self.smoothed.swapped_in():
             outcome = self.evaluator.validate(self.state.step, self.state, counters, progress)
-        self.state.last_valid_train_s = self.state.train_s
+        # the mark counts as passed on every rank: the furthest clock, or a rank a few ms behind the one whose
+        # clock called for this validation would call for it again a step later
+        self.state.last_valid_train_s = latest_over_ranks(self.state.train_s, self.device, self.group)
         return outcome
 
     def test(self, progress: Progress) -> None:

@@ -17,14 +17,15 @@ import torch
 from compression import ExchangeStats
 from nmt.config import config_from_dict
 from nmt.training.cadence import Cadence
-from nmt.training.config import ValidConfig
-from nmt.training.distributed import WorkerInfo
+from nmt.training.config import TrainConfig, ValidConfig
+from nmt.training.distributed import WorkerInfo, latest_over_ranks
 from nmt.training.errors import TrainingDiverged
 from nmt.training.metrics import Limits, Progress
 from nmt.training.setup import inverse_sqrt
 from nmt.training.step_records import LogInterval, RunState, StepResult
 from nmt.training.trainer import Trainer
 
+from gloo_harness import run_ranks
 from tiny_corpus import tiny_config_dict
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tests/conftest.py
@@ -302,6 +303,31 @@ def test_validation_clock_is_due_each_time_training_time_crosses_a_multiple(trai
     assert not trainer._validation_clock_due()
     state.train_s = 31.0  # two points passed since: one validation, not two
     assert trainer._validation_clock_due()
+
+
+def _clocks_straddling_a_mark(rank: int, world_size: int) -> list[bool]:
+    """Two ranks whose clocks straddle the 10 s mark when rank 0's clock calls for a validation: after it,
+    neither clock comes due again before the 20 s mark (each rank's answers at three later clocks)."""
+    cadence = Cadence(TrainConfig(), ValidConfig(every_train_s=10.0))
+    clock = [10.004, 9.998][rank]  # rank 0 has crossed the mark, rank 1 is 6 ms behind
+    last_valid = latest_over_ranks(clock, torch.device("cpu"))  # what Trainer.validate records
+    return [cadence.validation_clock_due(clock + dt, last_valid) for dt in (0.01, 9.99, 10.01)]
+
+
+def test_a_validation_counts_on_every_rank_when_the_clocks_straddle_its_mark():
+    # before the fix each rank recorded its own clock: rank 1 (9.998) came due again at 10.008, a second
+    # validation one step after the first (the doubled dev points of docs/results.md section 11)
+    assert run_ranks(_clocks_straddling_a_mark, 2) == [[False, False, True]] * 2
+    assert latest_over_ranks(3.5, torch.device("cpu")) == 3.5  # one process, no group: its own clock
+
+
+def test_validation_records_the_latest_clock_of_all_ranks(trainer: Trainer, monkeypatch: pytest.MonkeyPatch):
+    translate_as_refs(trainer, monkeypatch)
+    trainer.config.valid.max_sentences = 5
+    trainer.state.train_s = 9.998
+    monkeypatch.setattr("nmt.training.trainer.latest_over_ranks", lambda value, device, group: 10.004)
+    trainer.validate(quiet_progress())
+    assert trainer.state.last_valid_train_s == 10.004
 
 
 def test_validation_clock_off(trainer: Trainer):
