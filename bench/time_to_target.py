@@ -535,6 +535,20 @@ def identical_rows(a: list[dict], b: list[dict]) -> bool | None:
     return all(mine[r["step"]] == tuple(r[k] for k in SAME_KEYS) for r in common)
 
 
+def crossed_on_a_doubled_point(valid: list[dict], target: float) -> bool:
+    """The first dev point at the target came less than half the usual interval after the one before it.
+
+    Why: until the trainer took the furthest rank's clock as the validated mark, a rank whose clock lagged
+    by a few ms crossed the same valid.every_train_s mark a step after the others and called for a second
+    validation (a second draw of a noisy dev BLEU, and for methods whose replicas drift, an extra sync). A run
+    that reached the target on such a point had a chance the other rows did not: it is marked for a rerun."""
+    gaps = [b["train_s"] - a["train_s"] for a, b in zip(valid, valid[1:])]
+    crossing = next((i for i, r in enumerate(valid) if r["bleu"] >= target), None)
+    if not crossing or len(gaps) < 2:
+        return False
+    return gaps[crossing - 1] < statistics.median(gaps) / 2
+
+
 def run_record(metrics: list[dict], target: float) -> dict:
     valid = [r for r in metrics if r["kind"] == "valid"]
     test = [r for r in metrics if r["kind"] == "test"]
@@ -549,6 +563,7 @@ def run_record(metrics: list[dict], target: float) -> dict:
         "bytes_sent": valid[-1]["bytes_sent"] if valid else None,
         **(step_seconds(train) if train else {"step_s": None, "exchange_s": None, "bytes_per_step": None}),
         "derived": False,
+        "doubled_crossing": crossed_on_a_doubled_point(valid, target),
         "valid": [{k: r[k] for k in ("step", "train_s", "bleu", "loss", "bytes_sent")} for r in valid],
     }
 
@@ -656,10 +671,13 @@ def table(summary: dict[str, dict], sweep: dict) -> str:
             mb = run["bytes_per_step"] / 1e6 if run["bytes_per_step"] is not None else None
             steps = run["steps_to"]["1.0"] if run["derived"] else run["steps"]
             times = run["time_s"]
+            to_target = _minutes(times["1.0"])
+            if run.get("doubled_crossing"):
+                to_target += " (on a doubled dev point: rerun)"
             cells = [
                 name, optimizer, setting, _fmt(steps, "{:.0f}"),
                 _fmt(run["step_s"]), _fmt(run["exchange_s"], "{:.3f}"), _fmt(mb, "{:.3f}"),
-                _minutes(times["0.5"]), _minutes(times["0.8"]), _minutes(times["1.0"]),
+                _minutes(times["0.5"]), _minutes(times["0.8"]), to_target,
                 _fmt(run["vs_dense_fp32"]), _fmt(run["vs_powersgd"]), _fmt(run["vs_diloco"]),
                 _fmt(run["final_dev_bleu"]), _fmt(run["test_bleu"]), derived, _machine(run.get("machine")),
             ]  # fmt: skip

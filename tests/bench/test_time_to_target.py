@@ -52,6 +52,20 @@ def test_times_to_each_fraction_of_the_target_interpolate_between_dev_points():
     assert short["time_s"]["1.0"] is None and short["final_dev_bleu"] == 2.0
 
 
+def test_a_run_that_reached_the_target_on_a_doubled_dev_point_is_marked_for_a_rerun(tmp_path: Path):
+    points = [(200, 120.0, 4.0), (400, 240.0, 8.0), (600, 360.0, 9.9), (602, 360.6, 10.2)]
+    assert ttt.crossed_on_a_doubled_point(_valid_rows(points), target=10.0)
+    assert not ttt.crossed_on_a_doubled_point(_valid_rows([*points[:3], (800, 480.0, 10.2)]), target=10.0)
+    doubled_early = [(200, 120.0, 4.0), (202, 120.5, 4.1), (400, 240.0, 8.0), (600, 360.0, 10.2)]
+    assert not ttt.crossed_on_a_doubled_point(_valid_rows(doubled_early), target=10.0)
+    _write_run(tmp_path, "reference", "loopback", [*_train_rows(400, 0.6, 26e6), *_valid_rows(points[:1])])
+    (tmp_path / "target.json").write_text(json.dumps({"target_bleu": 10.0}))
+    _write_run(tmp_path, "powersgd", "100mbit", [*_train_rows(600, 0.6, 1e5), *_valid_rows(points)])
+    ttt.report(tmp_path)
+    assert json.loads((tmp_path / "summary-100mbit.json").read_text())["runs"]["powersgd"]["doubled_crossing"]
+    assert "6.0 min (on a doubled dev point: rerun)" in (tmp_path / "table.md").read_text()
+
+
 def test_a_derived_row_is_steps_over_loopback_times_the_links_seconds_per_step():
     base_train = _train_rows(400, 0.6, 26e6)
     base = ttt.run_record([*base_train, *_valid_rows([(200, 120.0, 5.0), (400, 240.0, 10.0)])], target=10.0)
