@@ -1,7 +1,8 @@
 """The trainer's own logic, in one process (world size 1, tiny reverse-task Transformer, no launcher).
 
 Limits, the train-row arithmetic, skipping NaN/inf steps, validation bookkeeping (best, early stopping,
-which scores a row holds), the training-time validation clock and the learning-rate schedule.
+which scores a row holds), the training-time validation clock and the learning-rate schedule. One test runs
+2 gloo ranks (tests/unit/compression/gloo_harness.py): the validated mark the ranks share.
 """
 
 from __future__ import annotations
