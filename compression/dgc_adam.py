@@ -126,6 +126,7 @@ class DgcAdam(ExchangeMethod):
         self.shared_variance: Tensor | None = None  # mean of the ranks' s at the last refresh
         self.dense_mean: Tensor | None = None  # Adam's first moment of the dense part (shared)
         self.dense_variance: Tensor | None = None  # its second moment (shared)
+        self.scratch: Tensor | None = None  # the step's Adam update in sparse space (see _scratch)
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -135,6 +136,12 @@ class DgcAdam(ExchangeMethod):
         sizes = dict(zip(BUFFERS, (sparse, sparse, sparse, shared, dense, dense), strict=True))
         ensure_buffers(self, sizes, flat.device, "dgc_adam")
         return self.partition
+
+    def _scratch(self, like: Tensor) -> Tensor:
+        """A sparse-space buffer reused from step to step (not state: it holds nothing between steps)."""
+        if self.scratch is None or self.scratch.shape != like.shape or self.scratch.device != like.device:
+            self.scratch = torch.empty_like(like)
+        return self.scratch
 
     def density(self) -> float:
         """This step's density (DGC's exponential warm-up)."""
@@ -168,7 +175,9 @@ class DgcAdam(ExchangeMethod):
 
         u, v, own = self.momentum, self.velocity, self.own_variance
         assert u is not None and v is not None and own is not None
-        g = part.sparse.gather(flat_grad).clone()
+        # g is a view of flat_grad when the sparse part is one stretch: it is read to the end of the moments'
+        # updates below, and flat_grad[sparse] is written only after the round
+        g = part.sparse.gather(flat_grad)
         own.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         bytes_variance, variance = 0, own
         if opts.variance_every:
@@ -181,21 +190,20 @@ class DgcAdam(ExchangeMethod):
                     shared.div_(p)
                     bytes_variance = shared.numel() * FP32_BYTES
             variance = torch.maximum(shared, own)  # a gradient new since the refresh is not divided by eps
-        r = (variance / variance_correction).sqrt_().add_(opts.eps).reciprocal_()
-        u.mul_(b1).add_(g, alpha=1.0 - b1)
-        own_update = (u * r).mul_(1.0 / mean_correction) if opts.local_update else None
-        if own_update is None:
-            v.addcmul_(u, r, value=1.0 / mean_correction)
-        else:
-            v.add_(own_update)
+        u.lerp_(g, 1.0 - b1)  # b1 u + (1 - b1) g, as torch's Adam updates its first moment
+        # the Adam update times mean_correction, in one reused buffer: u / (sqrt(s / c2) + eps)
+        update = self._scratch(u)
+        torch.sqrt(variance, out=update).mul_(1.0 / math.sqrt(variance_correction)).add_(opts.eps)
+        torch.div(u, update, out=update)
+        v.add_(update, alpha=1.0 / mean_correction)
         rnd = self.sparsifier.run(v, self.density(), part, ctx)  # v becomes the residual
         if opts.momentum_masking:
             rnd.zero_sent(u)
-        if own_update is None:
-            part.sparse.fill(flat_grad, 0.0)
+        if opts.local_update:
+            part.sparse.copy_to(flat_grad, update.mul_(1.0 / (mean_correction * p)))
         else:
-            part.sparse.copy_to(flat_grad, own_update.div_(p))
-        rnd.add_into(flat_grad, 1.0 / p, exclude_own=own_update is not None)
+            part.sparse.fill(flat_grad, 0.0)
+        rnd.add_into(flat_grad, 1.0 / p, exclude_own=opts.local_update)
         self.step = t
         stats = exchange_stats(rnd, flat_grad.numel(), bytes_dense, 0, 0, part.dense.numel)
         stats.bytes_sent += bytes_variance
