@@ -126,7 +126,7 @@ class DgcAdam(ExchangeMethod):
         self.shared_variance: Tensor | None = None  # mean of the ranks' s at the last refresh
         self.dense_mean: Tensor | None = None  # Adam's first moment of the dense part (shared)
         self.dense_variance: Tensor | None = None  # its second moment (shared)
-        self.scratch: Tensor | None = None  # the step's Adam update in sparse space (see _scratch)
+        self.scratch: Tensor | None = None  # the step's Adam update (sparse space; reused, not state)
 
     def _prepare(self, flat: Tensor, ctx: StepContext) -> BufferPartition:
         if self.partition is None:
@@ -134,14 +134,8 @@ class DgcAdam(ExchangeMethod):
         sparse, dense = self.partition.sparse.numel, self.partition.dense.numel
         shared = sparse if self.config.dgc_adam.variance_every else 0
         sizes = dict(zip(BUFFERS, (sparse, sparse, sparse, shared, dense, dense), strict=True))
-        ensure_buffers(self, sizes, flat.device, "dgc_adam")
+        ensure_buffers(self, {**sizes, "scratch": sparse}, flat.device, "dgc_adam")
         return self.partition
-
-    def _scratch(self, like: Tensor) -> Tensor:
-        """A sparse-space buffer reused from step to step (not state: it holds nothing between steps)."""
-        if self.scratch is None or self.scratch.shape != like.shape or self.scratch.device != like.device:
-            self.scratch = torch.empty_like(like)
-        return self.scratch
 
     def density(self) -> float:
         """This step's density (DGC's exponential warm-up)."""
@@ -192,7 +186,8 @@ class DgcAdam(ExchangeMethod):
             variance = torch.maximum(shared, own)  # a gradient new since the refresh is not divided by eps
         u.lerp_(g, 1.0 - b1)  # b1 u + (1 - b1) g, as torch's Adam updates its first moment
         # the Adam update times mean_correction, in one reused buffer: u / (sqrt(s / c2) + eps)
-        update = self._scratch(u)
+        update = self.scratch
+        assert update is not None
         torch.sqrt(variance, out=update).mul_(1.0 / math.sqrt(variance_correction)).add_(opts.eps)
         torch.div(u, update, out=update)
         v.add_(update, alpha=1.0 / mean_correction)
