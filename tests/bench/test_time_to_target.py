@@ -216,8 +216,9 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
     assert "train.max_steps=300" in probe and "valid.target_bleu" not in probe and "max_train_s=0" in probe
 
 
-def test_a_tiny_grid_over_loopback_stops_each_run_at_the_target(write_config, tmp_path: Path):
-    """The real thing on the reverse task: a reference run, then dense bf16 trained until the target."""
+def test_a_tiny_grid_over_loopback_stops_each_run_at_the_target(write_config, tmp_path: Path, capsys):
+    """The real thing on the reverse task: a reference run, then dense bf16 trained until a target (here half
+    the reference's final dev BLEU) and stopped there."""
     config = write_config(max_steps=0, log_every=5, _extra={"valid": {"every": 0, "beam_size": 1}})
     out = tmp_path / "ttt"
     argv = [
@@ -225,13 +226,20 @@ def test_a_tiny_grid_over_loopback_stops_each_run_at_the_target(write_config, tm
         "--reference-s", "8", "--cap-s", "30", "--every-s", "2", "--dev-sentences", "8",
         "--control-steps", "0",  # how many steps the tiny reference makes depends on the machine
     ]  # fmt: skip
+    assert ttt.main([*argv, "--sweep-only"]) == 0  # the reference alone (dense-bf16 has no sweep)
+    assert not ttt.run_dir(out, "dense-bf16", "loopback").exists()
+    record = json.loads((out / "target.json").read_text())
+    assert record["target_bleu"] > 0 and record["step"] > 0
+    # On 8 dev sentences the reference's last point can be a peak another 30 s run never meets again (seen in
+    # CI: 88.3 against a best of 85.1); half of it is what this test needs: a target the run surely crosses.
+    target = record["target_bleu"] / 2
+    (out / "target.json").write_text(json.dumps({**record, "target_bleu": target}))
+    capsys.readouterr()
     assert ttt.main(argv) == 0
-    target = json.loads((out / "target.json").read_text())["target_bleu"]
-    assert target > 0
+    printed = capsys.readouterr().out
+    assert "reference@loopback: finished, skipped" in printed and f"target: dev BLEU {target:.2f}" in printed
     run = json.loads((out / "summary-loopback.json").read_text())["runs"]["dense-bf16"]
-    assert (
-        run["time_s"]["1.0"] is not None
-    )  # reached (same arithmetic as the reference but for the bf16 cast)
+    assert run["time_s"]["1.0"] is not None  # reached
     assert run["final_dev_bleu"] >= target and run["train_s"] < 30 and run["test_bleu"] is not None
     log = (ttt.run_dir(out, "dense-bf16", "loopback") / "train.log").read_text()
     assert "reached valid.target_bleu" in log
