@@ -3,11 +3,14 @@ and one real (tiny, loopback) grid end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-from bench_helpers import load_bench
+from bench_helpers import ROOT, load_bench
+
+from nmt.config import load_config
 
 ttt = load_bench("time_to_target")
 
@@ -119,6 +122,25 @@ def test_a_machine_check_times_the_references_first_steps_again_and_marks_a_slow
     assert run["machine"] == pytest.approx(1.5)
     assert "| 1.50x (slower: rerun) |" in (tmp_path / "table.md").read_text()
     assert ttt.machine_factor(_train_rows(400, 0.4, 26e6), _train_rows(150, 0.42, 26e6))["factor"] < 1.1
+
+
+@pytest.mark.parametrize("method", ttt.METHODS, ids=lambda m: m.name)
+def test_every_method_of_the_grid_and_each_of_its_sweep_settings_loads_with_its_recipe(method):
+    """A misspelt key or a bad value in the grid's table fails here, not an hour into a run on the bed."""
+    other = ttt.other_optimizer(method)  # the rerun with the other recipe's optimizer, where there is one
+    runs = [(method.name, method), *ttt.sweep_runs(method), *([(other.name, other)] if other else [])]
+    for name, variant in runs:
+        config = load_config(ROOT / variant.recipe, list(variant.overrides))
+        assert config.exchange.method == next(
+            o.split("=", 1)[1] for o in variant.overrides if o.startswith("exchange.method=")
+        ), name
+
+
+def test_the_short_warm_up_variant_differs_from_dgc_adam_only_in_its_warm_up():
+    base = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME["dgc_adam-99-local"].overrides))
+    short = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME["dgc_adam-99-local-warmup100"].overrides))
+    assert (base.exchange.warmup_steps, short.exchange.warmup_steps) == (500, 100)
+    assert dataclasses.replace(short.exchange, warmup_steps=500) == base.exchange
 
 
 def test_the_sweep_picks_the_setting_soonest_to_the_target_else_the_best_score(tmp_path: Path):
