@@ -136,9 +136,10 @@ def test_every_method_of_the_grid_and_each_of_its_sweep_settings_loads_with_its_
         ), name
 
 
-def test_the_short_warm_up_variant_differs_from_dgc_adam_only_in_its_warm_up():
-    base = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME["dgc_adam-99-local"].overrides))
-    short = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME["dgc_adam-99-local-warmup100"].overrides))
+@pytest.mark.parametrize("base_name", ["dgc_adam-99-local", "dgc_adam-99.9-local"])
+def test_the_short_warm_up_variant_differs_from_dgc_adam_only_in_its_warm_up(base_name: str):
+    base = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME[base_name].overrides))
+    short = load_config(ROOT / ttt.ADAM_RECIPE, list(ttt.BY_NAME[f"{base_name}-warmup100"].overrides))
     assert (base.exchange.warmup_steps, short.exchange.warmup_steps) == (500, 100)
     assert dataclasses.replace(short.exchange, warmup_steps=500) == base.exchange
 
