@@ -212,7 +212,8 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
         "--measure",
         "dense-fp32@1gbit",
     ]
-    methods = ["dense-fp32", "dense-bf16", "diloco-50", "streaming-diloco-50", "dgc-99", "dgc_adam-99-local"]
+    methods = ["dense-fp32", "dense-bf16", "diloco-50", "diloco-100", "streaming-diloco-50", "dgc-99"]
+    methods.append("dgc_adam-99-local")
     others = ["diloco-50", "dgc-99", "dgc_adam-99-local"]
     assert ttt.main([*argv, "--methods", *methods, "--other-optimizer", *others]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time-to-target]")]
@@ -230,6 +231,8 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
     assert "valid.target_bleu=9.5" in by_label["diloco-50@100mbit"]
     assert "exchange.diloco.outer_momentum=0.5" in by_label["diloco-50@100mbit"]
     assert "exchange.diloco.outer_momentum=0.5" in by_label["streaming-diloco-50@100mbit"]
+    h100 = by_label["diloco-100@1gbit"]  # H = 100 runs H = 50's pick, with its own period
+    assert "exchange.diloco.outer_momentum=0.5" in h100 and "exchange.diloco.sync_every=100" in h100
     assert "recipes/bible-es-en.yml" in by_label["diloco-50-sgd@100mbit"]
     assert "recipes/bible-es-en.yml" in by_label["dgc-99@100mbit"]
     ours = by_label["dgc_adam-99-local@100mbit"]  # Adam's error feedback on the update, applied as it is
