@@ -124,7 +124,10 @@ def measure(method, vocab: str, args: argparse.Namespace, rank: int, world: int)
     profiled: dict[str, float] = defaultdict(float)
     for step in range(total):
         flat.grads.copy_(grads[step % len(grads)])
-        ctx = StepContext(step=step, world_size=world, rank=rank, layout=flat.layout)
+        # the squared norm the trainer's route takes in its scaling pass, before the exchange (local clipping
+        # reads it there), so it is not timed here
+        square = torch.dot(flat.grads, flat.grads)
+        ctx = StepContext(step=step, world_size=world, rank=rank, layout=flat.layout, gradient_square=square)
         dist.barrier()
         profile = args.profile and step >= total - args.profile
         if profile:

@@ -60,6 +60,16 @@ def dgc_density(drop_ratio: float, warmup_steps: int, step: int) -> float:
     return max(final, WARMUP_FACTOR ** (stage + 1))
 
 
+def clip_local_gradient(flat_grad: Tensor, clip_norm: float, ctx: StepContext) -> None:
+    """Scale this rank's gradient to norm at most clip_norm * sqrt(P), in place (DGC's local clipping).
+    The norm is the route's (ctx.gradient_square) when the trainer measured it, else computed here."""
+    limit = clip_norm * math.sqrt(ctx.world_size)
+    square = ctx.gradient_square
+    norm = math.sqrt(float(square)) if square is not None else float(flat_grad.norm())
+    if norm > limit:
+        flat_grad.mul_(limit / (norm + 1e-6))
+
+
 def momentum_partition(ctx: StepContext, dense_vectors: bool, flat: Tensor) -> BufferPartition:
     """The partition of the momentum-carrying methods (dgc, dgc_adam): embeddings go through the sparse
     path (a row path would lose the momentum of untouched rows)."""
@@ -153,10 +163,7 @@ class DeepGradientCompression(ExchangeMethod):
         part = self._prepare(flat_grad, ctx)
         assert self.momentum is not None and self.velocity is not None
         if self.config.dgc.local_clip_norm > 0:
-            limit = self.config.dgc.local_clip_norm * math.sqrt(ctx.world_size)
-            norm = float(flat_grad.norm())
-            if norm > limit:
-                flat_grad.mul_(limit / (norm + 1e-6))
+            clip_local_gradient(flat_grad, self.config.dgc.local_clip_norm, ctx)
         self.buckets.start(
             self.sparsifier, self.velocity, part, flat_grad, bounds, self.density(), ctx,
             momentum=self.momentum, momentum_factor=self.config.dgc.momentum,

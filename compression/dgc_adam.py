@@ -61,7 +61,7 @@ from torch import Tensor
 
 from compression.collectives import PeriodicAverage
 from compression.config import SPARSE_OPTIONS, ExchangeConfig
-from compression.dgc import dgc_density, ensure_buffers, momentum_partition
+from compression.dgc import clip_local_gradient, dgc_density, ensure_buffers, momentum_partition
 from compression.dropping import exchange_stats
 from compression.partition import BufferPartition
 from compression.protocol import ExchangeMethod, ExchangeStats, StepContext
@@ -148,10 +148,7 @@ class DgcAdam(ExchangeMethod):
         b1, b2, t = opts.beta1, opts.beta2, self.step + 1
         mean_correction, variance_correction = 1.0 - b1**t, 1.0 - b2**t
         if opts.local_clip_norm > 0:
-            limit = opts.local_clip_norm * math.sqrt(p)
-            norm = float(flat_grad.norm())
-            if norm > limit:
-                flat_grad.mul_(limit / (norm + 1e-6))
+            clip_local_gradient(flat_grad, opts.local_clip_norm, ctx)
 
         bytes_dense = 0
         if part.dense.numel:
@@ -185,17 +182,19 @@ class DgcAdam(ExchangeMethod):
                     bytes_variance = shared.numel() * FP32_BYTES
             variance = torch.maximum(shared, own)  # a gradient new since the refresh is not divided by eps
         u.lerp_(g, 1.0 - b1)  # b1 u + (1 - b1) g, as torch's Adam updates its first moment
-        # the Adam update times mean_correction, in one reused buffer: u / (sqrt(s / c2) + eps)
+        # the Adam update is (u / c1) / (sqrt(s / c2) + eps) = (sqrt(c2) / c1) * u / (sqrt(s) + eps sqrt(c2)):
+        # the last factor goes into one reused buffer, the scalar one rides on the alphas (a pass less)
+        root_c2 = math.sqrt(variance_correction)
         update = self.scratch
         assert update is not None
-        torch.sqrt(variance, out=update).mul_(1.0 / math.sqrt(variance_correction)).add_(opts.eps)
+        torch.sqrt(variance, out=update).add_(opts.eps * root_c2)
         torch.div(u, update, out=update)
-        v.add_(update, alpha=1.0 / mean_correction)
+        v.add_(update, alpha=root_c2 / mean_correction)
         rnd = self.sparsifier.run(v, self.density(), part, ctx)  # v becomes the residual
         if opts.momentum_masking:
             rnd.zero_sent(u)
         if opts.local_update:
-            part.sparse.copy_to(flat_grad, update.mul_(1.0 / (mean_correction * p)))
+            part.sparse.copy_to(flat_grad, update, scale=root_c2 / (mean_correction * p))
         else:
             part.sparse.fill(flat_grad, 0.0)
         rnd.add_into(flat_grad, 1.0 / p, exclude_own=opts.local_update)

@@ -72,12 +72,14 @@ class Part:
         for r in self.runs:
             buffer[r.at : r.at + r.length].add_(flat[r.flat : r.flat + r.length], alpha=alpha)
 
-    def copy_to(self, flat: Tensor, buffer: Tensor) -> None:
-        """flat[part] = buffer (no-op when buffer is the view `gather` returned)."""
+    def copy_to(self, flat: Tensor, buffer: Tensor, scale: float = 1.0) -> None:
+        """flat[part] = scale * buffer in one pass (no-op at scale 1 when buffer is the view of `gather`)."""
         for r in self.runs:
             dst = flat[r.flat : r.flat + r.length]
             src = buffer[r.at : r.at + r.length]
-            if dst.data_ptr() != src.data_ptr():
+            if scale != 1.0:
+                torch.mul(src, scale, out=dst)
+            elif dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
 
     def add_to(self, flat: Tensor, buffer: Tensor, alpha: float = 1.0) -> None:

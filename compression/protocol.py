@@ -66,6 +66,8 @@ class StepContext:
 
     touched_rows: for `embedding` spans, the row ids (token ids) seen by this rank since the last exchange;
     methods may send those rows losslessly instead of sparsifying them.
+    gradient_square: this rank's squared fp32 norm of its scaled gradient, as the trainer's route summed it
+    after backward (0-dim); None outside a trainer step. Local clipping reads it instead of another pass.
     """
 
     step: int
@@ -74,6 +76,7 @@ class StepContext:
     layout: list[ParamSpan]
     group: dist.ProcessGroup | None = None
     touched_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    gradient_square: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:

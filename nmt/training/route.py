@@ -120,6 +120,8 @@ class GradientRoute:
             self.buckets.flush()  # buckets whose parameters got no gradient (unused) leave too
         else:
             self._prepare(0, self.flat_grad.numel())
+        if self.ctx is not None:
+            self.ctx.gradient_square = self.square_sum  # the exchange's local clipping reads it
         return self.square_sum
 
     def exchange_gradient(self, skip: bool) -> ExchangeStats:

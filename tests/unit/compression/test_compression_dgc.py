@@ -10,7 +10,7 @@ import torch
 
 from compression import ParamSpan, StepContext
 from compression.config import DgcOptions, ExchangeConfig
-from compression.dgc import DeepGradientCompression, dgc_density
+from compression.dgc import DeepGradientCompression, clip_local_gradient, dgc_density
 from compression.dropping import GradientDropping
 
 from gloo_harness import run_ranks
@@ -76,6 +76,20 @@ def test_local_clipping_bounds_the_rank_gradient() -> None:
     out = gradient(0) * 100
     DeepGradientCompression(cfg).reduce(out, ctx(0, world=1))
     assert float(out.norm()) == pytest.approx(1.0, rel=1e-4)  # P = 1: limit = 1.0 * sqrt(1)
+
+
+def test_local_clipping_reads_the_routes_squared_norm_when_it_has_one() -> None:
+    grad = gradient(1) * 100
+    measured, told, fallback = grad.clone(), grad.clone(), grad.clone()
+    step = ctx(0, world=2)
+    step.gradient_square = torch.dot(grad, grad)
+    clip_local_gradient(measured, 1.0, step)  # the route's norm: the same clip, rounding aside
+    clip_local_gradient(fallback, 1.0, ctx(0, world=2))  # no norm given: computed here
+    torch.testing.assert_close(measured, fallback, rtol=1e-6, atol=0.0)
+    assert float(measured.norm()) == pytest.approx(math.sqrt(2), rel=1e-4)
+    step.gradient_square = torch.tensor(4.0 * float(torch.dot(grad, grad)))  # twice the norm: it is read
+    clip_local_gradient(told, 1.0, step)
+    assert float(told.norm()) == pytest.approx(math.sqrt(2) / 2, rel=1e-4)
 
 
 def test_state_round_trip() -> None:
