@@ -144,6 +144,17 @@ def test_the_short_warm_up_variant_differs_from_dgc_adam_only_in_its_warm_up(bas
     assert dataclasses.replace(short.exchange, warmup_steps=500) == base.exchange
 
 
+def test_local_mix_runs_as_the_adam_recipe_recommends_it() -> None:
+    recipe = (ROOT / ttt.ADAM_RECIPE).read_text()
+    for name in ("local_mix-99", "local_mix-99.9"):
+        method = ttt.BY_NAME[name]
+        assert method.recipe == ttt.ADAM_RECIPE
+        for override in method.overrides:
+            if not override.startswith("exchange.drop_ratio="):
+                assert override in recipe, f"{name}: {override} is not what the recipe's comment gives"
+    assert "exchange.local_mix.local_mode=replace" in ttt.LOCAL_MIX  # sum, the default, costs with Adam
+
+
 def test_the_sweep_picks_the_setting_soonest_to_the_target_else_the_best_score(tmp_path: Path):
     method = ttt.BY_NAME["diloco-50"]
     curves = {0: [(100, 60.0, 3.0)], 1: [(100, 60.0, 8.0), (200, 120.0, 10.0)], 2: [(200, 100.0, 10.0)]}
