@@ -223,8 +223,10 @@ def test_the_plan_derives_dense_on_a_slow_link_and_runs_the_rest_to_the_target(t
         "--measure",
         "dense-fp32@1gbit",
     ]
-    methods = ["dense-fp32", "dense-bf16", "diloco-50", "diloco-100", "streaming-diloco-50", "dgc-99"]
-    methods.append("dgc_adam-99-local")
+    methods = [
+        "dense-fp32", "dense-bf16", "diloco-50", "diloco-100", "streaming-diloco-50", "dgc-99",
+        "dgc_adam-99-local",
+    ]  # fmt: skip
     others = ["diloco-50", "dgc-99", "dgc_adam-99-local"]
     assert ttt.main([*argv, "--methods", *methods, "--other-optimizer", *others]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[time-to-target]")]
